@@ -1,0 +1,1 @@
+"""jaxserve: a JAX/Pallas serving engine for hybrid linear-attention LLMs."""

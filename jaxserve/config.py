@@ -1,0 +1,206 @@
+"""Model configuration read from a Hugging Face ``config.json``.
+
+One frozen dataclass covers every supported family; each field says which HF key it comes from.
+Multimodal checkpoints (``Qwen3_5ForConditionalGeneration``) nest the language model's settings
+under ``text_config``; those are read from there and the vision tower is noted, not loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next")
+
+# Text-config model types map onto the family they belong to.
+_TEXT_MODEL_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+
+FULL_ATTENTION = "full_attention"
+LINEAR_ATTENTION = "linear_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
+class ConfigError(ValueError):
+    """A config.json that jaxserve cannot serve, with the file and key named."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    model_type: str  # family: one of SUPPORTED_MODEL_TYPES
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    layer_types: tuple[str, ...]  # per layer: full_attention | linear_attention | sliding_attention
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    hidden_act: str
+
+    # Full attention.
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rotary_dim: int  # head_dim * partial_rotary_factor; the rest of each head passes through
+    attention_bias: bool
+    attn_output_gate: bool  # q_proj also emits a sigmoid gate on the attention output (qwen3_5/next)
+    zero_centered_norm: bool  # RMSNorm scales by (1 + w) instead of w (qwen3_5/next)
+    sliding_window: int | None
+
+    # Dense MLP (layers without experts).
+    intermediate_size: int
+
+    # Mixture of experts (num_experts == 0: dense everywhere).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[bool, ...] = ()
+
+    # Gated DeltaNet layers.
+    linear_conv_kernel: int = 4
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    fused_linear_projections: bool = False  # qwen3_next: in_proj_qkvz/in_proj_ba; qwen3_5: split ones
+
+    eos_token_ids: tuple[int, ...] = ()
+    max_position_embeddings: int = 32768
+    has_vision_tower: bool = False
+
+    @property
+    def is_hybrid(self) -> bool:
+        return LINEAR_ATTENTION in self.layer_types
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the short causal conv: q, k and v concatenated."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no config.json; not a Hugging Face checkpoint folder") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_hf(raw, source=str(path))
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        top_type = raw.get("model_type")
+        text = raw.get("text_config") or raw
+        family = _TEXT_MODEL_TYPES.get(text.get("model_type"), top_type)
+        if family not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"{source}: unknown model_type {top_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+
+        def need(key: str) -> Any:
+            if key not in text:
+                raise ConfigError(f"{source}: missing required key {key!r} for model_type {family!r}")
+            return text[key]
+
+        def get(key: str, default: Any) -> Any:
+            value = text.get(key)
+            return default if value is None else value
+
+        num_layers = need("num_hidden_layers")
+        num_heads = need("num_attention_heads")
+        hidden = need("hidden_size")
+        head_dim = get("head_dim", hidden // num_heads)
+        rope = get("rope_parameters", {}) or {}
+        rope_theta = rope.get("rope_theta", get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", "default")
+        if rope_type != "default":
+            raise ConfigError(f"{source}: rope_type {rope_type!r} is not supported yet (only 'default')")
+        partial = rope.get("partial_rotary_factor", get("partial_rotary_factor", 1.0))
+        rotary_dim = int(head_dim * partial)
+
+        hybrid = family != "qwen3"
+        if hybrid:
+            default_types = [
+                FULL_ATTENTION if (i + 1) % get("full_attention_interval", 4) == 0 else LINEAR_ATTENTION
+                for i in range(num_layers)
+            ]
+        else:
+            window_layers = get("max_window_layers", num_layers)
+            sliding = bool(get("use_sliding_window", False))
+            default_types = [
+                SLIDING_ATTENTION if sliding and i >= window_layers else FULL_ATTENTION for i in range(num_layers)
+            ]
+        layer_types = tuple(get("layer_types", default_types))
+        if len(layer_types) != num_layers:
+            raise ConfigError(f"{source}: layer_types has {len(layer_types)} entries for {num_layers} layers")
+        unknown = set(layer_types) - {FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION}
+        if unknown:
+            raise ConfigError(f"{source}: unsupported layer types {sorted(unknown)}")
+
+        num_experts = get("num_experts", 0) if family in ("qwen3_5_moe", "qwen3_next") else 0
+        if family == "qwen3_5_moe":
+            moe_layers = tuple(True for _ in range(num_layers))
+        elif num_experts:
+            sparse_step = get("decoder_sparse_step", 1)
+            mlp_only = set(get("mlp_only_layers", []))
+            moe_layers = tuple(i not in mlp_only and (i + 1) % sparse_step == 0 for i in range(num_layers))
+        else:
+            moe_layers = tuple(False for _ in range(num_layers))
+        if family == "qwen3_5_moe" and not num_experts:
+            raise ConfigError(f"{source}: qwen3_5_moe config without num_experts")
+
+        hidden_act = get("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ConfigError(f"{source}: hidden_act {hidden_act!r} is not supported (only 'silu')")
+
+        eos = raw.get("eos_token_id", text.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+
+        return cls(
+            model_type=family,
+            vocab_size=need("vocab_size"),
+            hidden_size=hidden,
+            num_layers=num_layers,
+            layer_types=layer_types,
+            rms_norm_eps=get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(tie),
+            hidden_act=hidden_act,
+            num_heads=num_heads,
+            num_kv_heads=get("num_key_value_heads", num_heads),
+            head_dim=head_dim,
+            rope_theta=float(rope_theta),
+            rotary_dim=rotary_dim,
+            attention_bias=bool(get("attention_bias", False)),
+            attn_output_gate=hybrid,
+            zero_centered_norm=hybrid,
+            sliding_window=get("sliding_window", None) if SLIDING_ATTENTION in layer_types else None,
+            intermediate_size=get("intermediate_size", 0),
+            num_experts=num_experts,
+            num_experts_per_tok=get("num_experts_per_tok", 0) if num_experts else 0,
+            moe_intermediate_size=get("moe_intermediate_size", 0) if num_experts else 0,
+            shared_expert_intermediate_size=get("shared_expert_intermediate_size", 0) if num_experts else 0,
+            norm_topk_prob=bool(get("norm_topk_prob", True)) if family != "qwen3_5_moe" else True,
+            moe_layers=moe_layers,
+            linear_conv_kernel=get("linear_conv_kernel_dim", 4) if hybrid else 0,
+            linear_num_key_heads=get("linear_num_key_heads", 0) if hybrid else 0,
+            linear_num_value_heads=get("linear_num_value_heads", 0) if hybrid else 0,
+            linear_key_head_dim=get("linear_key_head_dim", 0) if hybrid else 0,
+            linear_value_head_dim=get("linear_value_head_dim", 0) if hybrid else 0,
+            fused_linear_projections=family == "qwen3_next",
+            eos_token_ids=eos_ids,
+            max_position_embeddings=get("max_position_embeddings", 32768),
+            has_vision_tower="vision_config" in raw,
+        )

@@ -1,0 +1,164 @@
+"""Map Hugging Face tensor names onto the params pytree of decoder.py.
+
+``hf_shapes(cfg)`` is the contract with the checkpoint loader: the exact set of canonical tensor
+names a checkpoint of this config must hold, with their shapes. Canonical names are HF's, after the
+loader has (a) dropped the multimodal prefix ``model.language_model.`` -> ``model.`` and (b) stacked
+per-expert tensors into ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.experts.down_proj``
+[E, H, I] (the fused layout transformers itself uses for these families).
+
+``build_params`` turns those tensors into the pytree: linear weights transposed to [in, out],
+expert weights to [E, in, out], and Qwen3-Next's head-grouped ``in_proj_qkvz`` / ``in_proj_ba``
+permuted into Qwen3.5's split ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from jaxserve.config import LINEAR_ATTENTION, ModelConfig
+
+
+def _linear_shapes(name: str, out_dim: int, in_dim: int, bias: bool = False) -> dict[str, tuple[int, ...]]:
+    shapes = {f"{name}.weight": (out_dim, in_dim)}
+    if bias:
+        shapes[f"{name}.bias"] = (out_dim,)
+    return shapes
+
+
+def _mlp_shapes(prefix: str, hidden: int, inter: int) -> dict[str, tuple[int, ...]]:
+    return {
+        **_linear_shapes(f"{prefix}.gate_proj", inter, hidden),
+        **_linear_shapes(f"{prefix}.up_proj", inter, hidden),
+        **_linear_shapes(f"{prefix}.down_proj", hidden, inter),
+    }
+
+
+def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every canonical tensor name the checkpoint must contain, with its shape."""
+    H = cfg.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, H), "model.norm.weight": (H,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, H)
+    for i, layer_type in enumerate(cfg.layer_types):
+        pre = f"model.layers.{i}"
+        shapes[f"{pre}.input_layernorm.weight"] = (H,)
+        shapes[f"{pre}.post_attention_layernorm.weight"] = (H,)
+        if layer_type == LINEAR_ATTENTION:
+            la = f"{pre}.linear_attn"
+            hv, vd, kd = cfg.linear_num_value_heads, cfg.linear_value_dim, cfg.linear_key_dim
+            if cfg.fused_linear_projections:
+                shapes.update(_linear_shapes(f"{la}.in_proj_qkvz", 2 * kd + 2 * vd, H))
+                shapes.update(_linear_shapes(f"{la}.in_proj_ba", 2 * hv, H))
+            else:
+                shapes.update(_linear_shapes(f"{la}.in_proj_qkv", cfg.linear_conv_dim, H))
+                shapes.update(_linear_shapes(f"{la}.in_proj_z", vd, H))
+                shapes.update(_linear_shapes(f"{la}.in_proj_b", hv, H))
+                shapes.update(_linear_shapes(f"{la}.in_proj_a", hv, H))
+            shapes[f"{la}.conv1d.weight"] = (cfg.linear_conv_dim, 1, cfg.linear_conv_kernel)
+            shapes[f"{la}.dt_bias"] = (hv,)
+            shapes[f"{la}.A_log"] = (hv,)
+            shapes[f"{la}.norm.weight"] = (cfg.linear_value_head_dim,)
+            shapes.update(_linear_shapes(f"{la}.out_proj", H, vd))
+        else:
+            sa, hd = f"{pre}.self_attn", cfg.head_dim
+            q_out = cfg.num_heads * hd * (2 if cfg.attn_output_gate else 1)
+            shapes.update(_linear_shapes(f"{sa}.q_proj", q_out, H, cfg.attention_bias))
+            shapes.update(_linear_shapes(f"{sa}.k_proj", cfg.num_kv_heads * hd, H, cfg.attention_bias))
+            shapes.update(_linear_shapes(f"{sa}.v_proj", cfg.num_kv_heads * hd, H, cfg.attention_bias))
+            shapes.update(_linear_shapes(f"{sa}.o_proj", H, cfg.num_heads * hd, cfg.attention_bias))
+            shapes[f"{sa}.q_norm.weight"] = (hd,)
+            shapes[f"{sa}.k_norm.weight"] = (hd,)
+        if cfg.moe_layers[i]:
+            E, inter = cfg.num_experts, cfg.moe_intermediate_size
+            shapes[f"{pre}.mlp.gate.weight"] = (E, H)
+            shapes[f"{pre}.mlp.experts.gate_up_proj"] = (E, 2 * inter, H)
+            shapes[f"{pre}.mlp.experts.down_proj"] = (E, H, inter)
+            shapes.update(_mlp_shapes(f"{pre}.mlp.shared_expert", H, cfg.shared_expert_intermediate_size))
+            shapes[f"{pre}.mlp.shared_expert_gate.weight"] = (1, H)
+        else:
+            shapes.update(_mlp_shapes(f"{pre}.mlp", H, cfg.intermediate_size))
+    return shapes
+
+
+def _unfuse_qwen3_next(cfg: ModelConfig, qkvz: np.ndarray, ba: np.ndarray) -> dict[str, np.ndarray]:
+    """Qwen3-Next groups its fused projections by key head: for head g the rows are
+    [q (dk), k (dk), v (r*dv), z (r*dv)] and [b (r), a (r)] with r = Hv / Hk, value head g*r + j.
+    Regroup them into the split layout (all q rows, all k rows, all v rows; z; b; a)."""
+    hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    r, dv = cfg.linear_num_value_heads // hk, cfg.linear_value_head_dim
+    grouped = qkvz.reshape(hk, 2 * dk + 2 * r * dv, -1)
+    q, k, v, z = np.split(grouped, [dk, 2 * dk, 2 * dk + r * dv], axis=1)
+    flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731 - (heads, rows, H) -> (heads*rows, H)
+    b, a = np.split(ba.reshape(hk, 2 * r, -1), [r], axis=1)
+    return {
+        "in_proj_qkv": np.concatenate([flat(q), flat(k), flat(v)], axis=0),
+        "in_proj_z": flat(z),
+        "in_proj_b": flat(b),
+        "in_proj_a": flat(a),
+    }
+
+
+def build_params(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], to_device) -> dict:
+    """Arrange canonical HF tensors (already validated against ``hf_shapes``) into the pytree.
+
+    ``to_device(array)`` converts one host array to a device array of the chosen dtype; it is
+    called once per leaf so the host copy can be freed as loading goes.
+    """
+    t = tensors
+
+    def lin(name: str) -> dict:
+        p = {"w": to_device(np.ascontiguousarray(t[f"{name}.weight"].T))}
+        if f"{name}.bias" in t:
+            p["b"] = to_device(t[f"{name}.bias"])
+        return p
+
+    def mlp_params(prefix: str) -> dict:
+        return {k: lin(f"{prefix}.{k}") for k in ("gate_proj", "up_proj", "down_proj")}
+
+    layers = []
+    for i, layer_type in enumerate(cfg.layer_types):
+        pre = f"model.layers.{i}"
+        layer = {
+            "input_layernorm": to_device(t[f"{pre}.input_layernorm.weight"]),
+            "post_attention_layernorm": to_device(t[f"{pre}.post_attention_layernorm.weight"]),
+        }
+        if layer_type == LINEAR_ATTENTION:
+            la = f"{pre}.linear_attn"
+            if cfg.fused_linear_projections:
+                split = _unfuse_qwen3_next(cfg, t[f"{la}.in_proj_qkvz.weight"], t[f"{la}.in_proj_ba.weight"])
+            else:
+                split = {k: t[f"{la}.{k}.weight"] for k in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
+            layer["linear_attn"] = {
+                **{k: {"w": to_device(np.ascontiguousarray(w.T))} for k, w in split.items()},
+                "conv_w": to_device(t[f"{la}.conv1d.weight"][:, 0, :]),
+                "dt_bias": to_device(t[f"{la}.dt_bias"]),
+                "A_log": to_device(t[f"{la}.A_log"]),
+                "norm": to_device(t[f"{la}.norm.weight"]),
+                "out_proj": lin(f"{la}.out_proj"),
+            }
+        else:
+            sa = f"{pre}.self_attn"
+            layer["self_attn"] = {
+                **{k: lin(f"{sa}.{k}") for k in ("q_proj", "k_proj", "v_proj", "o_proj")},
+                "q_norm": to_device(t[f"{sa}.q_norm.weight"]),
+                "k_norm": to_device(t[f"{sa}.k_norm.weight"]),
+            }
+        if cfg.moe_layers[i]:
+            m = f"{pre}.mlp"
+            layer["mlp"] = {
+                "router": to_device(np.ascontiguousarray(t[f"{m}.gate.weight"].T)),
+                "gate_up": to_device(np.ascontiguousarray(t[f"{m}.experts.gate_up_proj"].transpose(0, 2, 1))),
+                "down": to_device(np.ascontiguousarray(t[f"{m}.experts.down_proj"].transpose(0, 2, 1))),
+                "shared_expert": mlp_params(f"{m}.shared_expert"),
+                "shared_expert_gate": to_device(np.ascontiguousarray(t[f"{m}.shared_expert_gate.weight"].T)),
+            }
+        else:
+            layer["mlp"] = mlp_params(f"{pre}.mlp")
+        layers.append(layer)
+
+    params = {"embed": to_device(t["model.embed_tokens.weight"]), "layers": layers, "norm": to_device(t["model.norm.weight"])}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = to_device(np.ascontiguousarray(t["lm_head.weight"].T))
+    return params

@@ -1,0 +1,136 @@
+"""Tiny random checkpoints of every supported family, written by transformers itself.
+
+Runs in the torch reference environment (it imports transformers):
+
+    python -m weights.tiny --family qwen3_5 --variant dense --out DIR [--seed 0]
+    python -m weights.tiny --list
+
+Each variant is a real ``save_pretrained`` folder (config.json, model.safetensors, tokenizer files,
+generation_config.json), ~1 MB, so the loader and the models are tested against exactly what the
+Hugging Face format holds. The variants differ where the families differ: MoE and dense, tied and
+untied embeddings, head counts and dims, partial rotary, the multimodal wrapper, fused vs split
+GDN projections. Weights are drawn with a larger init range than transformers' default so greedy
+decoding has clear margins instead of near-ties.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+VOCAB = 512
+INIT_RANGE = 0.1
+
+HYBRID_BASE = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+    linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=4096,
+    initializer_range=INIT_RANGE,
+)
+
+# family -> variant -> (config overrides, multimodal wrapper?)
+VARIANTS: dict[str, dict[str, tuple[dict, bool]]] = {
+    "qwen3_5": {
+        "dense": ({"tie_word_embeddings": True, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}, False),
+        "untied": ({"tie_word_embeddings": False, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
+                    "linear_num_key_heads": 2, "linear_num_value_heads": 2, "linear_key_head_dim": 32, "linear_value_head_dim": 16,
+                    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5}}, False),
+        "vl": ({"tie_word_embeddings": False, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1]}}, True),
+    },
+    "qwen3_5_moe": {
+        "moe": ({"tie_word_embeddings": False, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                 "shared_expert_intermediate_size": 48, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}, False),
+        "moe_tied": ({"tie_word_embeddings": True, "num_experts": 4, "num_experts_per_tok": 1, "moe_intermediate_size": 48,
+                      "shared_expert_intermediate_size": 32, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 16,
+                      "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}, False),
+    },
+    "qwen3_next": {
+        "moe": ({"tie_word_embeddings": False, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                 "shared_expert_intermediate_size": 48, "norm_topk_prob": True,
+                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}, False),
+        "sparse_step": ({"tie_word_embeddings": True, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                         "shared_expert_intermediate_size": 32, "norm_topk_prob": False, "decoder_sparse_step": 2,
+                         "linear_num_key_heads": 1, "linear_num_value_heads": 4,
+                         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}, False),
+        "dense": ({"tie_word_embeddings": False, "num_experts": 0,
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}, False),
+    },
+    "qwen3": {
+        "base": ({"tie_word_embeddings": True}, False),
+        "untied": ({"tie_word_embeddings": False, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16,
+                    "attention_bias": True, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}, False),
+    },
+}
+
+QWEN3_BASE = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, max_position_embeddings=4096,
+    initializer_range=INIT_RANGE, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
+
+
+def _build(family: str, variant: str, seed: int):
+    import torch
+    import transformers as tf
+
+    overrides, multimodal = VARIANTS[family][variant]
+    torch.manual_seed(seed)
+    if family == "qwen3":
+        cfg = tf.Qwen3Config(**{**QWEN3_BASE, **overrides})
+        return tf.Qwen3ForCausalLM(cfg)
+    text_kwargs = {**HYBRID_BASE, **overrides}
+    if family == "qwen3_next":
+        return tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(**text_kwargs))
+    if family == "qwen3_5_moe":
+        return tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**text_kwargs))
+    if multimodal:
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8,
+                      out_hidden_size=text_kwargs["hidden_size"], num_position_embeddings=16)
+        tie = text_kwargs.pop("tie_word_embeddings")
+        cfg = tf.Qwen3_5Config(text_config=text_kwargs, vision_config=vision, tie_word_embeddings=tie,
+                               image_token_id=VOCAB - 4, video_token_id=VOCAB - 5,
+                               vision_start_token_id=VOCAB - 6, vision_end_token_id=VOCAB - 7)
+        return tf.Qwen3_5ForConditionalGeneration(cfg)
+    return tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**text_kwargs))
+
+
+def write(family: str, variant: str, out: str, seed: int = 0) -> None:
+    """Write the checkpoint folder; the eos token is the tokenizer's ``<|im_end|>``."""
+    from transformers import GenerationConfig
+
+    from weights.tiny_tokenizer import save_tiny_tokenizer
+
+    model = _build(family, variant, seed).eval()
+    tokenizer = save_tiny_tokenizer(out, VOCAB)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model.config.eos_token_id = eos
+    model.generation_config = GenerationConfig(eos_token_id=eos, do_sample=False)
+    model.save_pretrained(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--family", choices=sorted(VARIANTS))
+    ap.add_argument("--variant")
+    ap.add_argument("--out")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--list", action="store_true", help="print family/variant pairs and exit")
+    args = ap.parse_args(argv)
+    if args.list:
+        for fam, variants in VARIANTS.items():
+            for var in variants:
+                print(f"{fam} {var}")
+        return 0
+    if not (args.family and args.variant and args.out):
+        ap.error("--family, --variant and --out are required")
+    if args.variant not in VARIANTS[args.family]:
+        ap.error(f"unknown variant {args.variant!r} for {args.family}; have {sorted(VARIANTS[args.family])}")
+    write(args.family, args.variant, args.out, args.seed)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
