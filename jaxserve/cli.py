@@ -1,6 +1,6 @@
 """The ``jaxserve`` command line.
 
-    jaxserve generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N]
+    jaxserve generate [--model DIR] (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N]
                       [--temperature T] [--top-p P] [--top-k K] [--seed S] [--dtype float32|bfloat16]
                       [--chat] [--ignore-eos] [--json]
 
@@ -14,6 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
+
+# The small model the project ships; `jaxserve generate` / `serve` use it when --model is not given.
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "weights" / "default"
 
 
 class UsageError(Exception):
@@ -38,6 +42,7 @@ def _generate(args: argparse.Namespace) -> dict:
     from weights import load_model
 
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
+    args.model = args.model or str(DEFAULT_MODEL_DIR)
     model = load_model(args.model, dtype=args.dtype, progress=not args.json)
     tokenizer = Tokenizer.from_dir(args.model)
     if args.prompt_ids is not None:
@@ -64,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="jaxserve", description="JAX/Pallas serving engine for hybrid linear-attention LLMs")
     sub = ap.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate a completion offline for one prompt")
-    g.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
+    g.add_argument("--model", default=None, help="Hugging Face checkpoint folder (default: the model shipped in weights/default)")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
