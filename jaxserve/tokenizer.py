@@ -279,23 +279,25 @@ class IncrementalDecoder:
         self._ids: list[int] = []
         self._prefix = 0  # start of the context window
         self._read = 0  # ids before this have been emitted
+        self._prefix_text = ""  # decode(ids[prefix:read]), refreshed when a piece is emitted
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
 
+    def _advance(self, new_text: str) -> str:
+        piece = new_text[len(self._prefix_text) :]
+        del self._ids[: self._read]  # ids before the new window are never decoded again
+        self._prefix, self._read = 0, len(self._ids)
+        self._prefix_text = self._decode(self._ids)
+        return piece
+
     def feed(self, token_id: int) -> str:
         self._ids.append(int(token_id))
-        prefix_text = self._decode(self._ids[self._prefix : self._read])
         new_text = self._decode(self._ids[self._prefix :])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            self._prefix, self._read = self._read, len(self._ids)
-            return new_text[len(prefix_text) :]
+        if len(new_text) > len(self._prefix_text) and not new_text.endswith("\ufffd"):
+            return self._advance(new_text)
         return ""
 
     def flush(self) -> str:
-        """The rest (possibly ending in U+FFFD for a truncated character); resets nothing, so a
-        second flush returns ''."""
-        prefix_text = self._decode(self._ids[self._prefix : self._read])
-        new_text = self._decode(self._ids[self._prefix :])
-        self._prefix, self._read = self._read, len(self._ids)
-        return new_text[len(prefix_text) :]
+        """The rest (possibly ending in U+FFFD for a truncated character); a second flush returns ''."""
+        return self._advance(self._decode(self._ids[self._prefix :]))
