@@ -25,7 +25,7 @@ T, N, S = 600, 4, 6  # packed tokens, sequences, snapshots per call (fixed: one 
 HK, DK, DV = 2, 16, 8
 MAX_LEN = T // N
 TOL = 1e-5  # chunked vs recurrent, both fp32
-TORCH_TOL = 1e-4
+TORCH_TOL = 1e-5  # observed errors are ~1e-6 of the output scale
 
 PROPERTY_SETTINGS = settings(max_examples=12, deadline=None, database=None,
                              suppress_health_check=[HealthCheck.too_slow])

@@ -1,7 +1,8 @@
 """KDA reference: the delta-rule properties of test_gdn_reference with a per-channel gate, and vs torch.
 
 Kimi-Linear has as many q/k heads as value heads (transformers' Kimi fallbacks support only that),
-fla's naive KDA also does grouped heads (``repeat_interleave``): both layouts are covered.
+fla's naive KDA also does grouped heads (``repeat_interleave``): both layouts are covered. The
+``use_qk_l2norm=False`` path is shared core code, checked against fla in test_gdn_reference.
 """
 
 from __future__ import annotations
@@ -59,7 +60,6 @@ def test_kda_rejects_a_per_head_gate():
 KDA_TORCH_CASES = {
     "kimi_l2": TorchCase(lens=[70, 64, 5, 130], hv=HK, use_qk_l2norm=True, start_pos=[0, 37, 64, 5]),
     "gqa_l2": TorchCase(lens=[65, 1, 128], hv=2 * HK, use_qk_l2norm=True, start_pos=[63, 0, 1]),
-    "kimi_raw": TorchCase(lens=[100, 28], hv=HK, use_qk_l2norm=False, start_pos=[10, 64]),
 }
 
 
