@@ -199,8 +199,14 @@ class HybridRadixCache:
         self.stats.query_tokens += len(ids)
         self.stats.hits += length > 0
         self.stats.hit_tokens += length
-        slot = node.snapshot if self.hybrid and node is not self.root else None
-        return Match(length, node, pages, slot)
+        return Match(length, node, pages, node.snapshot)   # None: plain attention, or the root
+
+    def peek(self, cache_ids: Sequence[int]) -> int:
+        """The length ``match`` would return, changing nothing (no LRU times, no counters): for
+        ranking waiting requests, or asking whether boundary b already has a live snapshot
+        (``peek(ids[:b + 1]) == b``) without making that snapshot look recently used."""
+        ids = tuple(cache_ids)
+        return self._usable(*self._walk(ids, self._match_limit(len(ids))))[2]
 
     def _match_limit(self, n: int) -> int:
         """Tokens a hit may cover: never the last one, and only whole pages."""
@@ -298,7 +304,8 @@ class HybridRadixCache:
         prefix it keeps its own pages. A boundary that already has a live snapshot keeps it and
         the donated slot is freed (dedup). A boundary inside an existing node splits it. Hybrid:
         nothing beyond the deepest donated boundary is inserted (it could never be a hit and would
-        be a snapshot-less leaf). Arguments are validated before anything changes.
+        be a snapshot-less leaf), so a hybrid insert without snapshots adds nothing. Arguments are
+        validated before anything changes.
         """
         ids = tuple(cache_ids)
         n_pages = len(ids) // self.page_size
@@ -343,7 +350,10 @@ class HybridRadixCache:
             raise ValueError(f"{n_pages} whole pages of ids but only {len(pages)} page ids")
         path, partial = self._walk(ids, target)
         shared = (path[-1].end if path else 0) + (partial[1] if partial else 0)
-        for p in pages[shared // self.page_size:target // self.page_size]:
+        adopted = pages[shared // self.page_size:target // self.page_size]
+        if len(set(adopted)) != len(adopted):
+            raise ValueError(f"a page id repeats among the donated pages {adopted}")
+        for p in adopted:
             if self.pages.refcount(p) < 1:     # raises for the null page
                 raise ValueError(f"donated page {p} is free")
             if p in self._tree_pages:
@@ -555,7 +565,25 @@ class HybridRadixCache:
     # ------------------------------------------------------------------ invariants
 
     def check_invariants(self) -> None:
-        """Raise AssertionError naming the first broken invariant. O(nodes + pages)."""
+        """Raise AssertionError naming the first broken invariant. O(nodes + pages). What holds:
+
+        structure  every non-root node: non-empty key, ``len(key) == page_size * len(pages)``,
+                   keyed in its parent by its first page of ids, ``end == parent.end + len(key)``.
+        shape      canonical: a non-root node with exactly one child has a snapshot or a lock.
+        pages      no null page; each tree page appears once in the tree and has refcount >= 1
+                   (the tree's own reference); the page index equals the walk.
+        snapshots  hybrid only; only at ends that are multiples of ``snapshot_interval``; each
+                   slot on one node and not free in the SlotAllocator; slot index == the walk.
+        hybrid     every leaf has a live snapshot; a locked node never lacks one.
+        locks      ``snap_lock >= 0`` and ``kv_lock == snap_lock + sum(child.kv_lock)`` on every
+                   node, so kv_lock >= snap_lock and >= each child's: a lock pins its whole path.
+        LRU        no time is in the future; a parent's ``last_access`` >= each child's (paths
+                   are touched whole), so KV eviction of leaves is LRU-consistent.
+        counters   ``num_nodes`` equals the walk; hits <= queries, hit_tokens <= query_tokens.
+
+        Not checkable on the host: that a tree slot is written once (the device does the clone
+        before ``insert``; the tree itself never writes a slot, it only frees them).
+        """
         ps, root = self.page_size, self.root
         assert root.parent is None and root.key == () and not root.pages and root.end == 0, "bad root"
         assert root.snapshot is None, "the root carries a snapshot"

@@ -246,8 +246,13 @@ class Harness:
 
     # ---- steps (each ends with check())
     def query(self, ids):
-        """A match both ways, compared; returns (tree Match, model RefMatch)."""
+        """A match both ways, compared (after a peek, which must agree and change nothing);
+        returns (tree Match, model RefMatch)."""
+        before = (tree_view(self.tree), self.tree.stats.as_dict())
+        peeked = self.tree.peek(ids)
+        assert (tree_view(self.tree), self.tree.stats.as_dict()) == before, "peek changed the tree"
         m, r = self.tree.match(ids), self.model.match(ids)
+        assert peeked == m.length, f"peek {peeked} != match {m.length}"
         got = (m.length, m.pages, m.snapshot_slot, node_prefix(m.node))
         want = (r.length, r.pages, r.slot, r.target)
         assert got == want, f"match({list(ids)}): tree {got} != model {want}"

@@ -265,6 +265,7 @@ def test_argument_validation_changes_nothing():
         (ids, [0] + pg[1:], {64: s}),            # the null page
         (ids, pg, {64: slots.alloc() and 7}),    # a free slot (never written)
         (ids, pg, {64: s, 128: s}),              # one slot at two boundaries
+        (ids, pg[:1] * 9, {64: s}),              # one page at two positions
     ]
     for args in bad:
         with pytest.raises(ValueError):

@@ -151,17 +151,32 @@ class NoPathBound(HybridRadixCache):
 
 HYBRID = {}
 BOUNDED = {"max_per_path": 2}
-ALIASING = {"transfer_donation": True}      # the seed's bug, on the scheduler side: see below
+ALIASING = {"transfer_donation": True}      # the seed's bug, scheduler side: the real cache, but the
+                                            # request donates its own live slot and keeps using it
 
+# (mutant, harness config, what catches it in the fixed scenario: "model" = the tree/model
+# comparison, "battery" = check_invariants, "accounting" = page / slot ownership)
 MUTANTS = [
-    (MatchesWholeKey, HYBRID), (SnapshotOnePageEarly, HYBRID), (ForgetsOneBoundary, HYBRID),
-    (KVOnlyTruncation, HYBRID), (LeakedLock, HYBRID), (EvictsLockedLeaf, HYBRID),
-    (EvictsLockedSnapshot, HYBRID), (DedupLeaksSlot, HYBRID), (DedupReplacesLive, HYBRID),
-    (EvictionSkipsDecref, HYBRID), (AdoptsWithoutIncref, HYBRID), (TombstoneLeafLeft, HYBRID),
-    (InsertsUncoveredTail, HYBRID), (StaleLRUOnMatch, HYBRID), (SplitDropsKVLock, HYBRID),
-    (SplitAliasesSnapshot, HYBRID), (NoPathBound, BOUNDED), (HybridRadixCache, ALIASING),
+    (MatchesWholeKey, HYBRID, r"match\(.*tree .* != model"),                   # model
+    (SnapshotOnePageEarly, HYBRID, "snapshot off a x4 boundary"),              # battery
+    (ForgetsOneBoundary, HYBRID, "snapshots differ"),                          # model
+    (KVOnlyTruncation, HYBRID, r"match\(.*tree .* != model"),                  # model
+    (LeakedLock, HYBRID, "kv_lock .* != snap_lock"),                           # battery
+    (EvictsLockedLeaf, HYBRID, "kv_lock .* != snap_lock"),                     # battery
+    (EvictsLockedSnapshot, HYBRID, "kv_lock .* != snap_lock"),                 # battery
+    (DedupLeaksSlot, HYBRID, "slot .* but 0 owners"),                          # accounting
+    (DedupReplacesLive, HYBRID, "snapshots differ"),                           # model
+    (EvictionSkipsDecref, HYBRID, "page .* refcount 2, expected 1"),           # accounting
+    (AdoptsWithoutIncref, HYBRID, "page .* refcount 1, expected 2"),           # accounting
+    (TombstoneLeafLeft, HYBRID, "hybrid leaf without a live snapshot"),        # battery
+    (InsertsUncoveredTail, HYBRID, "hybrid leaf without a live snapshot"),     # battery
+    (StaleLRUOnMatch, HYBRID, "nodes differ"),                                 # model (LRU times)
+    (SplitDropsKVLock, HYBRID, "kv_lock .* != snap_lock"),                     # battery
+    (SplitAliasesSnapshot, HYBRID, "held by two nodes"),                       # battery
+    (NoPathBound, BOUNDED, "snapshots differ"),                                # model
+    (HybridRadixCache, ALIASING, "slot .* has 2 owners"),                      # accounting
 ]
-IDS = [cls.__name__ if cfg is not ALIASING else "OwnershipTransferDonation" for cls, cfg in MUTANTS]
+IDS = [cls.__name__ if cfg is not ALIASING else "OwnershipTransferDonation" for cls, cfg, _ in MUTANTS]
 
 
 def scenario(h: Harness) -> None:
@@ -198,9 +213,9 @@ def test_real_cache_passes_the_scenario(cfg):
     scenario(Harness(**cfg))
 
 
-@pytest.mark.parametrize(("cls", "cfg"), MUTANTS, ids=IDS)
-def test_scenario_catches_mutant(cls, cfg):
-    with pytest.raises(AssertionError):
+@pytest.mark.parametrize(("cls", "cfg", "caught_by"), MUTANTS, ids=IDS)
+def test_scenario_catches_mutant(cls, cfg, caught_by):
+    with pytest.raises(AssertionError, match=caught_by):
         scenario(Harness(cache_cls=cls, **cfg))
 
 
@@ -213,8 +228,8 @@ def test_state_machine_passes_on_the_real_cache():
     run_state_machine_as_test(make_machine(num_pages=40, num_slots=14), settings=_hunt)
 
 
-@pytest.mark.parametrize(("cls", "cfg"), MUTANTS, ids=IDS)
-def test_state_machine_catches_mutant(cls, cfg):
+@pytest.mark.parametrize(("cls", "cfg", "caught_by"), MUTANTS, ids=IDS)
+def test_state_machine_catches_mutant(cls, cfg, caught_by):
     machine = make_machine(num_pages=40, num_slots=14, cache_cls=cls, **cfg)
     with pytest.raises(AssertionError):
         run_state_machine_as_test(machine, settings=_hunt)
