@@ -1,0 +1,313 @@
+"""The scheduler: which tokens of which requests the next step computes, and the bookkeeping after.
+
+Host-only: it chooses page ids and slot ids and never looks at array contents (DESIGN.md). One
+engine iteration is ``plan = schedule()`` -> the runner executes the step -> ``commit(plan, ...)``.
+
+Every step mixes decodes (1-token rows) and prefill chunks (continuous batching, chunked prefill)
+under a token budget of ``max_prefill_tokens``. Running requests go first (decodes, then
+unfinished prefills, in arrival order), then the policy admits waiting requests while budget, rows,
+pages and slots allow. When a running request cannot get a page, the tree's unlocked KV is evicted
+first, then the newest running request is preempted (released, requeued, recomputed later).
+
+Cache protocol (hybrid models), the invariants of DESIGN.md made concrete:
+- admission: ``match`` gives the deepest cached prefix that has a live snapshot (invariant 4);
+  the request locks it, adopts its pages (incref) and gets its OWN fresh slot; the tree's
+  snapshot is copied into that slot inside the next step (``Row.restore_src``). A barrier is
+  taken before a hit is admitted (invariant 3).
+- snapshots: whenever a step takes a request across a ×64 boundary the tree has no snapshot
+  for yet, the step also writes the state there into a freshly allocated slot (the private,
+  write-once clone of copy-on-donate, invariant 2). ``commit`` inserts it, after a barrier,
+  together with the pages covering the prefix. Decode steps that cross a boundary do the same,
+  so a finished request has donated the last aligned boundary of prompt plus output.
+- release (finish, abort, preemption): whole computed pages are offered to the tree, the node
+  lock is dropped, the request's pages are decref'd and its slot freed (invariant 7).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+from jaxserve.cache.allocator import PageAllocator, SlotAllocator
+from jaxserve.cache.radix import HybridRadixCache
+from jaxserve.engine.policy import FCFS, Policy
+from jaxserve.engine.request import Request, Status
+
+
+@dataclasses.dataclass
+class Row:
+    """One request's share of a step: feed ``tokens`` at positions ``start``..; restore first if
+    ``restore_src``; write snapshots (tokens consumed in this row, destination slot)."""
+
+    req: Request
+    start: int
+    tokens: list[int]
+    restore_src: int = 0
+    snapshots: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    samples: bool = False  # the row feeds the request's last pending token: its sampled token is kept
+
+
+@dataclasses.dataclass
+class StepPlan:
+    rows: list[Row]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.tokens) for r in self.rows)
+
+
+@dataclasses.dataclass
+class BarrierStats:
+    count: int = 0
+    seconds: float = 0.0
+
+    def timed(self, barrier: Callable[[], None]) -> None:
+        t0 = time.perf_counter()
+        barrier()
+        self.seconds += time.perf_counter() - t0
+        self.count += 1
+
+
+class Scheduler:
+    def __init__(self, *, pages: PageAllocator, slots: SlotAllocator | None, cache: HybridRadixCache,
+                 page_size: int, max_prefill_tokens: int, max_running: int, max_pages_per_seq: int,
+                 eos_token_ids: tuple[int, ...] = (), policy: Policy | None = None,
+                 barrier: Callable[[], None] = lambda: None, snapshot_interval: int = 64):
+        self.pages, self.slots, self.cache = pages, slots, cache
+        self.hybrid = slots is not None
+        self.page_size = page_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.max_running = max_running
+        self.max_pages_per_seq = max_pages_per_seq
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.policy = policy or FCFS()
+        self.barrier = barrier
+        self.interval = snapshot_interval
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.admission_barriers = BarrierStats()
+        self.donation_barriers = BarrierStats()
+        self.num_preemptions = 0
+        # Debug hooks: called with a tree slot right after it is donated / before it is restored.
+        self.on_donate: Callable[[int], None] | None = None
+        self.on_restore: Callable[[int], None] | None = None
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add(self, req: Request) -> None:
+        need = -(-(len(req.prompt_ids) + req.sampling.max_tokens) // self.page_size)
+        if need > self.max_pages_per_seq:
+            raise ValueError(
+                f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.sampling.max_tokens}) exceeds the "
+                f"maximum context of {self.max_pages_per_seq * self.page_size} tokens"
+            )
+        if need > self.pages.capacity:
+            raise ValueError(f"request needs {need} KV pages; the pool has {self.pages.capacity}")
+        req.status = Status.WAITING
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> Request | None:
+        """Drop a queued or running request and free everything it held. Returns it, or None."""
+        for queue in (self.waiting, self.running):
+            for req in queue:
+                if req.rid == rid:
+                    queue.remove(req)
+                    self._release(req)
+                    req.status, req.finish_reason = Status.FINISHED, "abort"
+                    return req
+        return None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ scheduling
+
+    def schedule(self) -> StepPlan | None:
+        budget = self.max_prefill_tokens
+        rows: list[Row] = []
+        for req in sorted(self.running, key=lambda r: (r.num_pending > 1, r.arrival)):
+            if budget == 0:
+                break
+            if req not in self.running:  # preempted while making room for an earlier row
+                continue
+            n = min(req.num_pending, budget)
+            if not self._reserve_pages(req, n, protect=rows):
+                continue
+            rows.append(self._row(req, n))
+            budget -= n
+        prefix_len = lambda r: self.cache.peek(r.all_cache_ids)  # noqa: E731 - no LRU/metric side effects
+        for req in self.policy.order(list(self.waiting), prefix_len):
+            if budget == 0 or len(self.running) >= self.max_running:
+                break
+            n = self._admit(req, budget)
+            if n == 0:
+                break
+            rows.append(self._row(req, n))
+            budget -= n
+        return StepPlan(rows) if rows else None
+
+    def _row(self, req: Request, n: int) -> Row:
+        start = req.num_computed
+        row = Row(req, start, req.all_ids[start : start + n], restore_src=req.restore_src,
+                  samples=start + n == len(req.all_ids))
+        if self.hybrid:
+            first = (start // self.interval + 1) * self.interval
+            for boundary in range(first, start + n + 1, self.interval):
+                if self._tree_has_snapshot(req, boundary):
+                    continue
+                slot = self._alloc_slot()
+                if slot is None:
+                    break  # the cache is only less useful; correctness does not depend on it
+                row.snapshots.append((boundary - start, slot))
+        return row
+
+    def _tree_has_snapshot(self, req: Request, boundary: int) -> bool:
+        return self.cache.peek(req.all_cache_ids[: boundary + 1]) == boundary
+
+    def _admit(self, req: Request, budget: int) -> int:
+        """Admit ``req`` with its first chunk of at most ``budget`` tokens; 0 if it cannot start now."""
+        match = self.cache.match(req.all_cache_ids)
+        self.cache.lock(match.node)
+        slot = self._alloc_slot() if self.hybrid else None
+        if self.hybrid and slot is None:
+            self.cache.unlock(match.node)
+            return 0
+        req.pages = list(match.pages)
+        self.pages.incref(req.pages)
+        req.locked, req.slot, req.num_computed = match.node, slot, match.length
+        n = min(req.num_pending, budget)
+        if not self._reserve_pages(req, n, protect=None, preempt=False):
+            self.pages.decref(req.pages)
+            self.cache.unlock(match.node)
+            if slot is not None:
+                self.slots.free(slot)
+            req.pages, req.locked, req.slot, req.num_computed = [], None, None, 0
+            return 0
+        if match.length > 0 and match.snapshot_slot is not None:
+            self.admission_barriers.timed(self.barrier)
+            req.restore_src = match.snapshot_slot
+            if self.on_restore:
+                self.on_restore(match.snapshot_slot)
+        if req.num_preemptions == 0:
+            req.cached_tokens = match.length
+        self.waiting.remove(req)
+        self.running.append(req)
+        req.status = Status.RUNNING
+        return n
+
+    def _alloc_slot(self) -> int | None:
+        slot = self.slots.alloc()
+        if slot is None and self.cache.evict_snapshots(1):
+            slot = self.slots.alloc()
+        return slot
+
+    def _reserve_pages(self, req: Request, n: int, protect: list[Row] | None, preempt: bool = True) -> bool:
+        """Make ``req.pages`` cover positions [0, num_computed + n): evict tree KV, then preempt
+        the newest running request that is not ``req`` or in ``protect`` (rows already planned)."""
+        need = -(-(req.num_computed + n) // self.page_size) - len(req.pages)
+        while need > 0:
+            got = self.pages.alloc(need)
+            if got is not None:
+                req.pages.extend(got)
+                return True
+            if self.cache.evict_kv(need - self.pages.num_free) > 0:
+                continue
+            if not preempt:
+                return False
+            planned = {id(r.req) for r in protect or ()}
+            victims = [r for r in self.running if r is not req and id(r) not in planned]
+            if not victims:
+                return False
+            self.preempt(max(victims, key=lambda r: r.arrival))
+        return True
+
+    def preempt(self, req: Request) -> None:
+        """Retract a running request: release everything, requeue it to recompute prompt + output."""
+        self.running.remove(req)
+        self._release(req)
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        req.status = Status.WAITING
+        self.waiting.append(req)
+
+    # ------------------------------------------------------------------ after the step
+
+    def commit(self, plan: StepPlan, tokens: list[int], logprobs: list[float]) -> list[Request]:
+        """Account for an executed step; returns the requests that finished in it."""
+        if any(row.snapshots for row in plan.rows):
+            self.donation_barriers.timed(self.barrier)
+        finished = []
+        for row, tok, lp in zip(plan.rows, tokens, logprobs):
+            req = row.req
+            req.num_computed = row.start + len(row.tokens)
+            req.restore_src = 0
+            for consumed, slot in row.snapshots:
+                self._donate(req, row.start + consumed, slot)
+            if row.samples:
+                req.output_ids.append(int(tok))
+                req.logprobs.append(float(lp))
+                reason = self._finish_reason(req)
+                if reason:
+                    self.finish(req, reason)
+                    finished.append(req)
+        return finished
+
+    def _donate(self, req: Request, boundary: int, slot: int) -> None:
+        n_pages = boundary // self.page_size
+        self.cache.insert(req.all_cache_ids[:boundary], req.pages[:n_pages], {boundary: slot})
+        if self.on_donate and slot in self.cache.owned_slots():
+            self.on_donate(slot)
+
+    def _finish_reason(self, req: Request) -> str | None:
+        tok = req.output_ids[-1]
+        if tok in req.sampling.stop_token_ids or (not req.sampling.ignore_eos and tok in self.eos_token_ids):
+            return "stop"
+        if len(req.output_ids) >= req.sampling.max_tokens:
+            return "length"
+        return None
+
+    def finish(self, req: Request, reason: str) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.status, req.finish_reason = Status.FINISHED, reason
+
+    def _release(self, req: Request) -> None:
+        whole = req.num_computed // self.page_size
+        if whole and req.locked is not None:
+            # Plain attention keeps every whole page; hybrid trees keep what a snapshot covers.
+            self.cache.insert(req.all_cache_ids[: whole * self.page_size], req.pages[:whole], {})
+        if req.locked is not None:
+            self.cache.unlock(req.locked)
+        self.pages.decref(req.pages)
+        if req.slot is not None:
+            self.slots.free(req.slot)
+        req.pages, req.slot, req.locked, req.num_computed, req.restore_src = [], None, None, 0, 0
+
+    # ------------------------------------------------------------------ checks
+
+    def check_invariants(self) -> None:
+        """Every page and slot is free, held by a live request, or held by the tree, with refcounts
+        that add up (invariant 7). Call between steps."""
+        self.cache.check_invariants()
+        tree_pages = self.cache.owned_pages()
+        holders: dict[int, int] = {p: 1 for p in tree_pages}
+        for req in self.running:
+            assert req.status is Status.RUNNING, f"{req.rid} in running with status {req.status}"
+            assert len(set(req.pages)) == len(req.pages), f"{req.rid} holds a page twice"
+            for p in req.pages:
+                holders[p] = holders.get(p, 0) + 1
+        for req in self.waiting:
+            assert not req.pages and req.slot is None and req.locked is None, f"waiting {req.rid} holds resources"
+        for p in range(1, self.pages.capacity + 1):
+            expected = holders.get(p, 0)
+            assert self.pages.refcount(p) == expected, f"page {p}: refcount {self.pages.refcount(p)}, holders {expected}"
+        if self.hybrid:
+            tree_slots = self.cache.owned_slots()
+            req_slots = [r.slot for r in self.running]
+            assert None not in req_slots, "a running hybrid request without a slot"
+            assert len(set(req_slots)) == len(req_slots), "two requests share a slot"
+            assert not tree_slots & set(req_slots), f"slots shared by a request and the tree: {tree_slots & set(req_slots)}"
+            held = tree_slots | set(req_slots)
+            for s in range(1, self.slots.capacity + 1):
+                assert self.slots.is_free(s) == (s not in held), f"slot {s}: free={self.slots.is_free(s)}, held={s in held}"

@@ -1,0 +1,229 @@
+"""Scheduler + radix cache + engine against the fake device (tests/engine/fake_device.py).
+
+The fake device makes every token a function of the KV a request reads and the linear state it
+carries, so "hit equals cold" and "nothing leaks" are checked here over thousands of steps in
+seconds: every finished request must produce exactly ``reference_continuation`` of its prompt,
+and the invariant check (every page and slot free, held by a live request, or held by the tree)
+runs after every step.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxserve.cache.allocator import PageAllocator, SlotAllocator
+from jaxserve.cache.radix import HybridRadixCache
+from jaxserve.engine.engine import Engine
+from jaxserve.engine.policy import make_policy
+from jaxserve.engine.scheduler import Scheduler
+from jaxserve.generate import SamplingParams
+from tests.engine.fake_device import FakeExecutor, reference_continuation
+
+VOCAB = 1000
+
+
+def make_engine(*, hybrid=True, num_pages=128, num_slots=24, page_size=16, max_prefill=96, max_running=8,
+                policy="fcfs", max_pages_per_seq=64):
+    pages = PageAllocator(num_pages)
+    slots = SlotAllocator(num_slots) if hybrid else None
+    cache = HybridRadixCache(pages, slots, page_size, hybrid=hybrid)
+    sched = Scheduler(pages=pages, slots=slots, cache=cache, page_size=page_size, max_prefill_tokens=max_prefill,
+                      max_running=max_running, max_pages_per_seq=max_pages_per_seq, policy=make_policy(policy))
+    ex = FakeExecutor(num_pages, num_slots, page_size, VOCAB, hybrid)
+    return Engine(sched, ex, vocab_size=VOCAB, debug_snapshot_checksums=True)
+
+
+def run_checked(engine: Engine, max_steps: int = 10_000) -> None:
+    for _ in range(max_steps):
+        if not engine.has_work():
+            return
+        engine.step()
+        engine.check_invariants()
+    raise AssertionError("engine did not drain")
+
+
+def assert_pools_free_after_flush(engine: Engine) -> None:
+    s = engine.scheduler
+    s.cache.flush()
+    engine.check_invariants()
+    assert s.pages.num_free == s.pages.capacity
+    if s.slots is not None:
+        assert s.slots.num_free == s.slots.capacity
+
+
+def prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+@pytest.mark.parametrize("hybrid", [True, False])
+@pytest.mark.parametrize("length", [1, 40, 63, 64, 65, 129, 200, 300])
+def test_repeat_hits_and_equals_cold(hybrid, length):
+    rng = random.Random(length)
+    engine = make_engine(hybrid=hybrid)
+    p = prompt(rng, length)
+    cold, hit = engine.generate([p], greedy(12))[0], engine.generate([p], greedy(12))[0]
+    ref = reference_continuation(p, 12, VOCAB, hybrid)
+    assert cold.output_ids == ref and hit.output_ids == ref
+    assert cold.cached_tokens == 0
+    unit = 64 if hybrid else 16
+    assert hit.cached_tokens == (length - 1) // unit * unit  # the last token is always recomputed
+    assert engine.snapshot_checksum_mismatches == 0
+    assert_pools_free_after_flush(engine)
+
+
+def test_multi_turn_follow_up_hits_last_boundary_of_prompt_plus_answer():
+    rng = random.Random(0)
+    engine = make_engine()
+    turn1 = prompt(rng, 100)
+    out1 = engine.generate([turn1], greedy(40))[0]
+    turn2 = turn1 + out1.output_ids + prompt(rng, 30)
+    out2 = engine.generate([turn2], greedy(10))[0]
+    assert out2.cached_tokens == 128  # prompt + answer = 140 tokens -> the ×64 boundary at 128
+    assert out2.output_ids == reference_continuation(turn2, 10, VOCAB)
+    assert_pools_free_after_flush(engine)
+
+
+@pytest.mark.parametrize("max_prefill", [7, 16, 64, 100, 1000])
+def test_chunked_prefill_sizes_give_same_tokens(max_prefill):
+    rng = random.Random(1)
+    prompts = [prompt(rng, n) for n in (150, 70, 5, 260)]
+    engine = make_engine(max_prefill=max_prefill)
+    outs = engine.generate(prompts, greedy(9))
+    for p, o in zip(prompts, outs):
+        assert o.output_ids == reference_continuation(p, 9, VOCAB)
+    assert_pools_free_after_flush(engine)
+
+
+def test_concurrency_one_still_hits():
+    rng = random.Random(2)
+    engine = make_engine(max_running=1)
+    p = prompt(rng, 140)
+    outs = engine.generate([p, p, p], greedy(5))
+    assert [o.cached_tokens for o in outs] == [0, 128, 128]
+    assert all(o.output_ids == reference_continuation(p, 5, VOCAB) for o in outs)
+
+
+def test_abort_queued_prefilling_and_decoding_frees_everything():
+    rng = random.Random(3)
+    engine = make_engine(max_prefill=32, max_running=2)
+    b = engine.add_request(prompt(rng, 10), greedy(50))   # decoding from the second step
+    a = engine.add_request(prompt(rng, 200), greedy(50))  # prefilling for several steps
+    c = engine.add_request(prompt(rng, 10), greedy(50))   # queued (max_running=2)
+    for _ in range(3):
+        engine.step()
+        engine.check_invariants()
+    reqs = engine.scheduler
+    assert any(r.rid == a and r.num_pending > 1 for r in reqs.running)
+    assert any(r.rid == b and r.num_pending == 1 for r in reqs.running)
+    assert any(r.rid == c for r in reqs.waiting)
+    for rid in (c, a, b):
+        assert engine.abort(rid)
+        engine.check_invariants()
+    assert not engine.has_work()
+    assert not engine.abort(a)
+    assert_pools_free_after_flush(engine)
+
+
+def test_preemption_under_page_pressure_still_equals_cold():
+    rng = random.Random(4)
+    # 20 usable pages of 16 tokens: four 100-token requests generating 60 tokens cannot all fit.
+    engine = make_engine(num_pages=21, num_slots=12, max_running=4, max_pages_per_seq=20)
+    prompts = [prompt(rng, 100) for _ in range(4)]
+    outs = engine.generate(prompts, greedy(60))
+    assert engine.scheduler.num_preemptions > 0
+    for p, o in zip(prompts, outs):
+        assert o.output_ids == reference_continuation(p, 60, VOCAB)
+    assert_pools_free_after_flush(engine)
+
+
+def test_lpm_policy_prefers_cached_prefix():
+    rng = random.Random(5)
+    engine = make_engine(policy="lpm", max_running=1)
+    shared = prompt(rng, 130)
+    engine.generate([shared], greedy(2))
+    cold_req = engine.add_request(prompt(rng, 130), greedy(2))
+    warm_req = engine.add_request(shared + [1, 2, 3], greedy(2))
+    engine.step()
+    assert [r.rid for r in engine.scheduler.running] == [warm_req]
+    engine.run_until_done()
+    assert cold_req not in engine.requests
+
+
+def test_stop_token_and_max_tokens_finish_reasons():
+    rng = random.Random(6)
+    engine = make_engine()
+    p = prompt(rng, 30)
+    ref = reference_continuation(p, 20, VOCAB)
+    out = engine.generate([p], SamplingParams(max_tokens=20, stop_token_ids=(ref[4],)))[0]
+    assert out.output_ids == ref[: ref.index(ref[4]) + 1] and out.finish_reason == "stop"
+    out = engine.generate([p], greedy(3))[0]
+    assert out.output_ids == ref[:3] and out.finish_reason == "length"
+
+
+def test_bad_requests_are_refused_without_side_effects():
+    engine = make_engine(max_pages_per_seq=4)
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request([], greedy(1))
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request([VOCAB], greedy(1))
+    with pytest.raises(ValueError, match="context"):
+        engine.add_request([1] * 60, greedy(10))
+    assert not engine.has_work()
+    engine.check_invariants()
+
+
+def test_injected_restore_fault_is_caught():
+    """The checks must be able to fail: a device that restores a wrong state breaks hit == cold."""
+    rng = random.Random(7)
+    engine = make_engine()
+    p = prompt(rng, 150)
+    engine.generate([p], greedy(8))
+    engine.executor.corrupt_restores = True
+    hit = engine.generate([p], greedy(8))[0]
+    assert hit.cached_tokens == 128
+    assert hit.output_ids != reference_continuation(p, 8, VOCAB)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31 - 1), hybrid=st.booleans(), pressure=st.sampled_from(["roomy", "tight"]))
+def test_storm_of_submits_aborts_evictions(seed, hybrid, pressure):
+    """Randomized storm: shared-prefix prompts, random lengths, aborts at random steps, pools small
+    enough (``tight``) to force KV/snapshot eviction and preemption. Every step keeps the invariants;
+    every request that finishes equals its cold reference; the pools drain to free."""
+    rng = random.Random(seed)
+    pages, slots = (40, 10) if pressure == "tight" else (200, 40)
+    engine = make_engine(hybrid=hybrid, num_pages=pages, num_slots=slots, max_prefill=rng.choice([16, 48, 128]),
+                         max_running=rng.choice([1, 3, 6]), max_pages_per_seq=pages - 1,
+                         policy=rng.choice(["fcfs", "lpm"]))
+    bases = [prompt(rng, rng.choice([0, 64, 100, 200])) for _ in range(3)]
+    expected, live = {}, []
+    for step in range(5000):
+        if step < 250 and rng.random() < 0.3:
+            p = rng.choice(bases) + prompt(rng, rng.randrange(1, 90))
+            n = rng.randrange(1, 40)
+            if (len(p) + n) // 16 + 1 < pages - 2:
+                rid = engine.add_request(p, greedy(n))
+                expected[rid] = reference_continuation(p, n, VOCAB, hybrid)
+                live.append(rid)
+        if live and rng.random() < 0.08:
+            rid = live.pop(rng.randrange(len(live)))
+            engine.abort(rid)
+            expected.pop(rid)
+        for out in engine.step():
+            if out.finished:
+                assert out.output_ids == expected.pop(out.request_id), f"seed {seed}: {out.request_id} differs from cold"
+                live.remove(out.request_id)
+        engine.check_invariants()
+        if step >= 250 and not engine.has_work():
+            break
+    assert not engine.has_work() and not expected, "storm did not drain"
+    assert engine.snapshot_checksum_mismatches == 0
+    assert_pools_free_after_flush(engine)
