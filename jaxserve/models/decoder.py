@@ -2,65 +2,152 @@
 
 Families differ only in config flags (see jaxserve/config.py): which layers are Gated DeltaNet and
 which full attention, gated attention output and zero-centered norms for the hybrids, routed experts
-for the MoE variants. ``forward`` is pure: params and the explicit per-sequence state go in, logits
-and the new state come out. State per layer:
+for the MoE variants.
 
-- attention layer: ``{"k", "v"}`` each [B, max_len, kv_heads, head_dim], written at the positions
-  of the new tokens;
-- Gated DeltaNet layer: ``{"conv", "rec"}`` (see gated_deltanet.py).
+One stack, two ways to reach state:
+
+- ``forward_ragged`` is the stack itself: a flat ragged batch of tokens whose state lives in pools
+  (KV pages, linear-state slots) named by a ``layers.Ragged``. The serving runner calls it inside
+  its jitted step.
+- ``forward`` is the dense per-sequence API (tests, ``jaxserve generate``): ``tokens [B, T]`` with a
+  state made by ``init_state`` where row ``b`` owns KV ``[b, 0:max_len]`` and slot ``b``. It views
+  that state as pools (a reshape, no copy) and calls ``forward_ragged``, so the tested dense path
+  and the serving path are the same code.
+
+State (``Pools``) holds one array per kind, stacked over the layers of that kind (``layer_index``):
+attention ``k``/``v`` [n_attn, pages, page_size, kv_heads, head_dim] (dense: [n_attn, B, max_len,
+...]), GDN ``conv`` [n_linear, slots, conv_dim, K-1] and ``rec`` [n_linear, slots, Hv, dk, dv] fp32.
+Stacking lets one scatter/gather address every layer (restore, snapshot checks) and lets the step
+update pools in place when they are donated.
 """
 
 from __future__ import annotations
 
+import math
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jaxserve.config import LINEAR_ATTENTION, ModelConfig
 from jaxserve.models import gated_deltanet
-from jaxserve.models.layers import attention, mlp, moe, rms_norm
+from jaxserve.models.layers import KEY_BLOCK, Ragged, attention, mlp, moe, rms_norm
+from pallas_kernels import token_segments
 
 
-def init_state(cfg: ModelConfig, batch: int, max_len: int, dtype) -> list[dict]:
-    """Empty state for ``batch`` sequences of at most ``max_len`` tokens each."""
-    state = []
+class Pools(NamedTuple):
+    """Model state: KV for attention layers, conv + recurrent state for GDN layers (see module doc).
+    A plain-attention model has zero GDN layers, so ``conv``/``rec`` are empty arrays."""
+
+    k: jax.Array
+    v: jax.Array
+    conv: jax.Array
+    rec: jax.Array
+
+
+def layer_index(cfg: ModelConfig) -> list[int]:
+    """For each layer, its index among the layers of its kind (attention or GDN) in ``Pools``."""
+    counts = {True: 0, False: 0}
+    out = []
     for layer_type in cfg.layer_types:
-        if layer_type == LINEAR_ATTENTION:
-            state.append(gated_deltanet.init_state(cfg, batch, dtype))
-        else:
-            shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-            state.append({"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)})
-    return state
+        linear = layer_type == LINEAR_ATTENTION
+        out.append(counts[linear])
+        counts[linear] += 1
+    return out
 
 
-def _layer(p: dict, cfg: ModelConfig, i: int, x: jax.Array, positions: jax.Array, s: dict):
+def num_layers_of_kind(cfg: ModelConfig) -> tuple[int, int]:
+    """(attention layers, GDN layers)."""
+    n_linear = sum(t == LINEAR_ATTENTION for t in cfg.layer_types)
+    return cfg.num_layers - n_linear, n_linear
+
+
+def pool_shapes(cfg: ModelConfig, dtype, kv_lead: tuple[int, int], num_slots: int) -> Pools:
+    """``jax.ShapeDtypeStruct`` of every pool. ``kv_lead`` is (pages, page_size) for paged KV or
+    (batch, max_len) for the dense state. The conv state keeps the model dtype (its inputs are
+    model-dtype activations, so nothing is lost); the recurrent state is fp32 (it accumulates)."""
+    n_attn, n_linear = num_layers_of_kind(cfg)
+    kv = jax.ShapeDtypeStruct((n_attn, *kv_lead, cfg.num_kv_heads, cfg.head_dim), dtype)
+    conv, rec = gated_deltanet.state_shapes(cfg, n_linear, num_slots if n_linear else 0)
+    return Pools(kv, kv, jax.ShapeDtypeStruct(conv, dtype), jax.ShapeDtypeStruct(rec, jnp.float32))
+
+
+def zeros(shapes: Pools) -> Pools:
+    return Pools(*(jnp.zeros(s.shape, s.dtype) for s in shapes))
+
+
+def init_state(cfg: ModelConfig, batch: int, max_len: int, dtype) -> Pools:
+    """Empty dense state for ``batch`` sequences of at most ``max_len`` tokens each."""
+    return zeros(pool_shapes(cfg, dtype, (batch, max_len), batch))
+
+
+def _layer(p: dict, cfg: ModelConfig, i: int, j: int, x: jax.Array, r: Ragged, pools: Pools, decode: bool):
     layer_type = cfg.layer_types[i]
     h = rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
     if layer_type == LINEAR_ATTENTION:
-        h, s = gated_deltanet.gated_deltanet(p["linear_attn"], cfg, h, positions, s)
+        h, conv, rec = gated_deltanet.gated_deltanet(p["linear_attn"], cfg, h, r, pools.conv, pools.rec, j, decode)
+        pools = pools._replace(conv=conv, rec=rec)
     else:
-        h, k, v = attention(p["self_attn"], cfg, layer_type, h, positions, s["k"], s["v"])
-        s = {"k": k, "v": v}
+        h, k, v = attention(p["self_attn"], cfg, layer_type, h, r, pools.k, pools.v, j)
+        pools = pools._replace(k=k, v=v)
     x = x + h
     h = rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
     h = moe(p["mlp"], cfg, h) if cfg.moe_layers[i] else mlp(p["mlp"], h)
-    return x + h, s
+    return x + h, pools
+
+
+def forward_ragged(params: dict, cfg: ModelConfig, tokens: jax.Array, r: Ragged, pools: Pools, *, decode: bool,
+                   last_only: bool = True):
+    """The stack over a flat ragged batch: ``tokens [T]`` laid out as ``r`` says. Not jitted: it is
+    traced inside the caller's jit. ``decode`` (static): every row has exactly one token, in row
+    order (T == B), which selects the one-step recurrent GDN backend. Returns fp32 logits of each
+    row's last token [B, V] (``last_only``; rows without tokens give garbage) or of every token
+    [T, V], and the updated pools."""
+    x = params["embed"][tokens]
+    for i, (p, j) in enumerate(zip(params["layers"], layer_index(cfg))):
+        x, pools = _layer(p, cfg, i, j, x, r, pools, decode)
+    if last_only:
+        x = x[jnp.maximum(r.cu_seqlens[1:] - 1, 0)]
+    x = rms_norm(x, params["norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
+    lm_head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return (x @ lm_head).astype(jnp.float32), pools
+
+
+def make_ragged(positions, cu_seqlens, context_len, page_table, read_slot, write_slot,
+                snap_seq=None, snap_len=None, snap_dst=None) -> Ragged:
+    """A ``Ragged`` with each token's row derived from ``cu_seqlens`` (no snapshots if None)."""
+    seq, _ = token_segments(cu_seqlens, positions.shape[0])
+    if snap_seq is None:
+        snap_seq = snap_len = snap_dst = jnp.zeros((0,), jnp.int32)
+    return Ragged(positions, cu_seqlens, seq, context_len, page_table, read_slot, write_slot,
+                  snap_seq, snap_len, snap_dst)
 
 
 @partial(jax.jit, static_argnames=("cfg", "last_only"), donate_argnames=("state",))
-def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, state: list[dict],
+def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, state: Pools,
             last_only: bool = False):
     """Run ``tokens`` [B, T] at absolute ``positions`` [B, T] (consecutive per row, continuing
     where ``state`` left off). Returns fp32 logits [B, T, V] (or [B, V] with ``last_only``) and
-    the new state. ``state`` is donated: the caller must use the returned one."""
-    x = params["embed"][tokens]
-    new_state = []
-    for i, (p, s) in enumerate(zip(params["layers"], state)):
-        x, s = _layer(p, cfg, i, x, positions, s)
-        new_state.append(s)
-    if last_only:
-        x = x[:, -1]
-    x = rms_norm(x, params["norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
-    lm_head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return (x @ lm_head).astype(jnp.float32), new_state
+    the new state. ``state`` is donated: the caller must use the returned one.
+
+    The dense state viewed as pools: row ``b``'s KV ``[b, 0:max_len]`` is pages
+    ``b * max_len / ps + [0, max_len / ps)`` with ``ps = gcd(max_len, 64)`` (so key blocks are
+    whole pages); its GDN state is slot ``b``, read and written in place.
+    """
+    B, T = tokens.shape
+    n_attn, _ = num_layers_of_kind(cfg)
+    _, _, max_len, kvh, hd = state.k.shape
+    ps = math.gcd(max_len, KEY_BLOCK)
+    per_row = max_len // ps
+    width = -(-per_row // (KEY_BLOCK // ps)) * (KEY_BLOCK // ps)
+    cols = jnp.arange(width, dtype=jnp.int32)
+    page_table = jnp.where(cols < per_row, jnp.arange(B, dtype=jnp.int32)[:, None] * per_row + cols, 0)
+    rows = jnp.arange(B, dtype=jnp.int32)
+    r = make_ragged(positions.reshape(-1).astype(jnp.int32), jnp.arange(B + 1, dtype=jnp.int32) * T,
+                    positions[:, 0].astype(jnp.int32), page_table, rows, rows)
+    paged = state._replace(k=state.k.reshape(n_attn, B * per_row, ps, kvh, hd),
+                           v=state.v.reshape(n_attn, B * per_row, ps, kvh, hd))
+    logits, paged = forward_ragged(params, cfg, tokens.reshape(-1), r, paged, decode=T == 1, last_only=last_only)
+    new_state = paged._replace(k=paged.k.reshape(state.k.shape), v=paged.v.reshape(state.v.shape))
+    return (logits if last_only else logits.reshape(B, T, -1)), new_state

@@ -4,10 +4,15 @@ in_proj_qkv -> short causal conv (SiLU) -> split q, k, v -> gated delta rule -> 
 in_proj_z -> out_proj. Qwen3-Next's fused ``in_proj_qkvz`` / ``in_proj_ba`` are permuted into this
 split layout when the checkpoint is loaded (weights/), so there is one forward for both.
 
-The state of a sequence in this layer is explicit: ``conv`` [B, conv_dim, K-1] (the last K-1
-conv inputs, oldest first) and ``rec`` [B, Hv, dk, dv] fp32. Prefill uses the chunked form
-aligned to absolute ×64 positions (so a prompt prefilled in pieces computes exactly the chunks
-one prefill would); a single-token step uses the recurrent form.
+State lives in a slot pool shared by all GDN layers (``layers.Ragged`` says how rows name slots):
+``conv`` [layers, slots, conv_dim, K-1] (the last K-1 conv inputs, oldest first, model dtype) and
+``rec`` [layers, slots, Hv, dk, dv] fp32. Two backends touch it, each called from one place:
+``_short_conv`` and ``_delta_rule``. Prefill uses the chunked rule aligned to absolute ×64
+positions (so a prompt prefilled in pieces computes exactly the chunks one prefill would); a
+decode batch (every row exactly one token) uses the one-step recurrent form.
+
+Invariant 1 lives here: the layer itself writes every snapshot the step asks for, conv AND
+recurrent state, in the same scatter as the rows' final states; no caller can forget a layer.
 """
 
 from __future__ import annotations
@@ -16,53 +21,90 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.layers import gated_rms_norm, linear
+from jaxserve.models.layers import Ragged, gated_rms_norm, linear
 from pallas_kernels.conv1d_reference import causal_conv1d_prefill, causal_conv1d_update
 from pallas_kernels.gdn_reference import gdn_chunked, gdn_recurrent
 
 
-def init_state(cfg: ModelConfig, batch: int, dtype) -> dict:
-    return {
-        "conv": jnp.zeros((batch, cfg.linear_conv_dim, cfg.linear_conv_kernel - 1), dtype),
-        "rec": jnp.zeros(
-            (batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim), jnp.float32
-        ),
-    }
+def state_shapes(cfg: ModelConfig, num_layers: int, num_slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(conv, rec) pool shapes for ``num_layers`` GDN layers of ``num_slots`` slots each."""
+    conv = (num_layers, num_slots, cfg.linear_conv_dim, max(cfg.linear_conv_kernel - 1, 0))
+    rec = (num_layers, num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    return conv, rec
 
 
-def gated_deltanet(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, state: dict):
-    """x: [B, T, H]; positions: [B, T] absolute, consecutive per row. Returns (y, new_state)."""
-    B, T, _ = x.shape
+def _initial(pool: jax.Array, layer: int, r: Ragged) -> jax.Array:
+    """Per-row starting state in fp32: zeros for a fresh sequence (``context_len == 0``: a reused
+    slot still holds its previous owner's state), else the read slot."""
+    init = pool[layer, r.read_slot].astype(jnp.float32)
+    fresh = (r.context_len == 0).reshape(-1, *([1] * (init.ndim - 1)))
+    return jnp.where(fresh, 0.0, init)
+
+
+def _decode_snapshots(init, final, r: Ragged):
+    """In a decode batch a row has one token, so a snapshot is its state after 0 or 1 tokens."""
+    seq = jnp.clip(r.snap_seq, 0, r.num_rows - 1)
+    after = (r.snap_len > 0).reshape(-1, *([1] * (init.ndim - 1)))
+    return jnp.where(after, final[seq], init[seq])
+
+
+def _short_conv(mixed, weight, init, r: Ragged, decode: bool):
+    """Conv backend: mixed [T, C] -> (y [T, C], final [B, C, K-1], snapshots [S, C, K-1])."""
+    if decode:
+        y, final = causal_conv1d_update(mixed, init, weight)
+        return y, final, _decode_snapshots(init, final, r)
+    return causal_conv1d_prefill(mixed, weight, cu_seqlens=r.cu_seqlens, initial_state=init,
+                                 snapshot_seq=r.snap_seq, snapshot_len=r.snap_len)
+
+
+def _one_token_rule(q, k, v, g, beta, state):
+    """One token of one sequence (vmapped over the decode batch)."""
+    o, final, _ = gdn_recurrent(q[None], k[None], v[None], g[None], beta[None],
+                                cu_seqlens=jnp.array([0, 1], jnp.int32), initial_state=state[None])
+    return o[0], final[0]
+
+
+def _delta_rule(q, k, v, g, beta, init, r: Ragged, decode: bool):
+    """Delta-rule backend: -> (o [T, Hv, dv], final [B, Hv, dk, dv], snapshots [S, Hv, dk, dv])."""
+    if decode:
+        o, final = jax.vmap(_one_token_rule)(q, k, v, g, beta, init)
+        return o, final, _decode_snapshots(init, final, r)
+    return gdn_chunked(q, k, v, g, beta, cu_seqlens=r.cu_seqlens, initial_state=init, start_pos=r.context_len,
+                       snapshot_seq=r.snap_seq, snapshot_len=r.snap_len)
+
+
+def _store(pool: jax.Array, layer: int, r: Ragged, final: jax.Array, snaps: jax.Array) -> jax.Array:
+    """Final states into the rows' write slots, snapshots into their destinations; nothing else.
+
+    Real rows and snapshots name distinct slots (the host's contract, invariant 2), so the order of
+    the two scatters does not matter; duplicates can only be the null slot 0, whose content is
+    garbage that no real row reads (a row with ``context_len == 0`` starts from zeros)."""
+    pool = pool.at[layer, r.write_slot].set(final.astype(pool.dtype))
+    return pool.at[layer, r.snap_dst].set(snaps.astype(pool.dtype))
+
+
+def gated_deltanet(p: dict, cfg: ModelConfig, x: jax.Array, r: Ragged, conv_pool: jax.Array, rec_pool: jax.Array,
+                   layer: int, decode: bool):
+    """x [T, H] ragged (see ``Ragged``); ``layer`` indexes this layer in the slot pools; ``decode``
+    (static) means every row has exactly one token, in row order. Returns (y, conv_pool, rec_pool)."""
+    T = x.shape[0]
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     mixed = linear(x, p["in_proj_qkv"])
-    z = linear(x, p["in_proj_z"]).reshape(B, T, hv, dv)
+    z = linear(x, p["in_proj_z"]).reshape(T, hv, dv)
     beta = jax.nn.sigmoid(linear(x, p["in_proj_b"]).astype(jnp.float32))
     a = linear(x, p["in_proj_a"]).astype(jnp.float32)
     g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a + p["dt_bias"].astype(jnp.float32))
 
-    if T == 1:
-        mixed, conv_state = causal_conv1d_update(mixed[:, 0], state["conv"], p["conv_w"])
-        mixed = mixed[:, None]
-    else:
-        cu = jnp.arange(B + 1, dtype=jnp.int32) * T
-        flat, conv_state, _ = causal_conv1d_prefill(
-            mixed.reshape(B * T, -1), p["conv_w"], cu_seqlens=cu, initial_state=state["conv"]
-        )
-        mixed = flat.reshape(B, T, -1)
-
+    conv0 = _initial(conv_pool, layer, r)
+    mixed, conv_final, conv_snaps = _short_conv(mixed, p["conv_w"], conv0, r, decode)
     kd = cfg.linear_key_dim
-    q = mixed[..., :kd].reshape(B * T, hk, dk)
-    k = mixed[..., kd : 2 * kd].reshape(B * T, hk, dk)
-    v = mixed[..., 2 * kd :].reshape(B * T, hv, dv)
-    g, beta = g.reshape(B * T, hv), beta.reshape(B * T, hv)
-    cu = jnp.arange(B + 1, dtype=jnp.int32) * T
-    if T == 1:
-        o, rec, _ = gdn_recurrent(q, k, v, g, beta, cu_seqlens=cu, initial_state=state["rec"])
-    else:
-        o, rec, _ = gdn_chunked(
-            q, k, v, g, beta, cu_seqlens=cu, initial_state=state["rec"], start_pos=positions[:, 0].astype(jnp.int32)
-        )
-    o = gated_rms_norm(o.reshape(B, T, hv, dv), z, p["norm"], cfg.rms_norm_eps)
-    y = linear(o.reshape(B, T, hv * dv), p["out_proj"])
-    return y, {"conv": conv_state.astype(state["conv"].dtype), "rec": rec}
+    q = mixed[:, :kd].reshape(T, hk, dk)
+    k = mixed[:, kd : 2 * kd].reshape(T, hk, dk)
+    v = mixed[:, 2 * kd :].reshape(T, hv, dv)
+    o, rec_final, rec_snaps = _delta_rule(q, k, v, g, beta, _initial(rec_pool, layer, r), r, decode)
+
+    conv_pool = _store(conv_pool, layer, r, conv_final, conv_snaps)
+    rec_pool = _store(rec_pool, layer, r, rec_final, rec_snaps)
+    o = gated_rms_norm(o, z, p["norm"], cfg.rms_norm_eps)
+    return linear(o.reshape(T, hv * dv), p["out_proj"]), conv_pool, rec_pool

@@ -2,14 +2,62 @@
 
 Pure functions over arrays. Activations keep the parameter dtype between blocks; reductions
 (norms, softmax, router) run in fp32, as the torch implementations do.
+
+Every block works on a FLAT ragged batch of tokens ``[T, ...]`` (see ``Ragged``): the serving
+step packs many sequences into one call, and the dense per-sequence forward of ``decoder`` is
+the special case of equal-length rows. State is reached only through ``Ragged``'s indices into
+pools (KV pages for attention, linear-state slots for Gated DeltaNet), so the layer math exists
+once and only the mixer backends (``paged_attention`` here, the conv / delta-rule backends of
+gated_deltanet.py) touch state. Kernels replace those backends, nothing else.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxserve.config import SLIDING_ATTENTION, ModelConfig
+
+# Keys are visited in blocks of this many positions. It is the snapshot interval of DESIGN.md
+# invariant 1, so a block is whole pages for every legal page size (64 % page_size == 0).
+KEY_BLOCK = 64
+
+
+class Ragged(NamedTuple):
+    """How the ``T`` flat tokens of one forward map onto ``B`` sequences and their pooled state.
+
+    Token ``t`` belongs to row ``seq[t]`` (``B`` for bucket padding past ``cu_seqlens[-1]``) and
+    sits at absolute position ``positions[t]``; row ``b`` owns tokens ``[cu_seqlens[b],
+    cu_seqlens[b+1])`` at positions ``context_len[b]..``, consecutive.
+
+    Attention layers: row ``b``'s position ``p`` lives in page ``page_table[b, p // page_size]`` at
+    offset ``p % page_size``. Entries past the row's pages are 0, the null page; padding tokens
+    write there too, and it is never read unmasked.
+
+    Gated DeltaNet layers: row ``b`` starts from slot ``read_slot[b]`` (its own slot, or the tree
+    snapshot it restores from; ignored, zero state, when ``context_len[b] == 0``) and leaves its
+    final state in ``write_slot[b]``. Snapshot ``s`` stores the state after ``snap_len[s]`` tokens
+    of row ``snap_seq[s]`` in slot ``snap_dst[s]`` (DESIGN.md invariants 1 and 2). Padding rows and
+    padding snapshot entries name slot 0, the null slot.
+    """
+
+    positions: jax.Array    # [T] int32
+    cu_seqlens: jax.Array   # [B+1] int32
+    seq: jax.Array          # [T] int32, row of each token (B = padding)
+    context_len: jax.Array  # [B] int32
+    page_table: jax.Array   # [B, W] int32, W a multiple of KEY_BLOCK // page_size
+    read_slot: jax.Array    # [B] int32
+    write_slot: jax.Array   # [B] int32
+    snap_seq: jax.Array     # [S] int32
+    snap_len: jax.Array     # [S] int32
+    snap_dst: jax.Array     # [S] int32
+
+    @property
+    def num_rows(self) -> int:
+        return self.cu_seqlens.shape[0] - 1
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, zero_centered: bool) -> jax.Array:
@@ -34,14 +82,14 @@ def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float)
 def rotary(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> jax.Array:
     """Rotate-half RoPE on the first ``rotary_dim`` channels of each head; the rest pass through.
 
-    x: [B, T, heads, head_dim]; positions: [B, T]. For text-only prompts Qwen3.5's multimodal
+    x: [..., heads, head_dim]; positions: [...]. For text-only prompts Qwen3.5's multimodal
     RoPE gives every axis the same position, which reduces exactly to this.
     """
     half = rotary_dim // 2
     inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, half]
-    cos = jnp.cos(freqs).astype(x.dtype)[:, :, None, :]
-    sin = jnp.sin(freqs).astype(x.dtype)[:, :, None, :]
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., half]
+    cos = jnp.cos(freqs).astype(x.dtype)[..., None, :]
+    sin = jnp.sin(freqs).astype(x.dtype)[..., None, :]
     x1, x2, rest = x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
 
@@ -52,56 +100,112 @@ def linear(x: jax.Array, p: dict) -> jax.Array:
     return y + p["b"] if "b" in p else y
 
 
-def attention(
-    p: dict,
-    cfg: ModelConfig,
-    layer_type: str,
-    x: jax.Array,
-    positions: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Causal GQA over a dense per-sequence KV cache, with q/k norm, partial RoPE and (hybrid
-    families) a sigmoid output gate.
+# ----------------------------------------------------------------------------------------------
+# Attention: projections + rope (in), the paged mixer backend, output gate + projection (out).
+# ----------------------------------------------------------------------------------------------
 
-    x: [B, T, H]; positions: [B, T], consecutive per row, the absolute position of each token;
-    k_cache/v_cache: [B, L, kv_heads, head_dim]. The new keys/values are written at their
-    positions and every query attends to cache slots 0..its own position, so a prompt prefilled
-    in pieces sees exactly what one prefill would.
-    """
-    B, T, _ = x.shape
+
+def attention_in(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array):
+    """q/k/v projections, q/k norm, partial RoPE. x [T, H] -> q [T, nh, hd], k/v [T, kvh, hd],
+    and the sigmoid output gate's pre-activation [T, nh*hd] (None when the family has none)."""
+    T = x.shape[0]
     nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q = linear(x, p["q_proj"])
+    gate = None
     if cfg.attn_output_gate:
-        q = q.reshape(B, T, nh, 2 * hd)
-        q, gate = q[..., :hd], q[..., hd:].reshape(B, T, nh * hd)
-    q = q.reshape(B, T, nh, hd)
-    k = linear(x, p["k_proj"]).reshape(B, T, nkv, hd)
-    v = linear(x, p["v_proj"]).reshape(B, T, nkv, hd)
+        q = q.reshape(T, nh, 2 * hd)
+        q, gate = q[..., :hd], q[..., hd:].reshape(T, nh * hd)
+    q = q.reshape(T, nh, hd)
+    k = linear(x, p["k_proj"]).reshape(T, nkv, hd)
+    v = linear(x, p["v_proj"]).reshape(T, nkv, hd)
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
     k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
     q = rotary(q, positions, cfg.rotary_dim, cfg.rope_theta)
     k = rotary(k, positions, cfg.rotary_dim, cfg.rope_theta)
+    return q, k, v, gate
 
-    write = jax.vmap(lambda cache, new, start: jax.lax.dynamic_update_slice_in_dim(cache, new, start, axis=0))
-    k_cache = write(k_cache, k.astype(k_cache.dtype), positions[:, 0])
-    v_cache = write(v_cache, v.astype(v_cache.dtype), positions[:, 0])
 
-    L = k_cache.shape[1]
-    key_pos = jnp.arange(L)[None, None, :]
-    visible = key_pos <= positions[:, :, None]  # [B, T, L]
-    if layer_type == SLIDING_ATTENTION:
-        visible &= key_pos > positions[:, :, None] - cfg.sliding_window
-    groups = nh // nkv
-    qg = q.reshape(B, T, nkv, groups, hd)
-    scores = jnp.einsum("btkgd,blkd->bkgtl", qg, k_cache.astype(q.dtype)).astype(jnp.float32)
-    scores = scores * (hd**-0.5)
-    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    out = jnp.einsum("bkgtl,blkd->btkgd", probs, v_cache.astype(q.dtype)).reshape(B, T, nh * hd)
-    if cfg.attn_output_gate:
+def attention_out(p: dict, cfg: ModelConfig, out: jax.Array, gate: jax.Array | None) -> jax.Array:
+    """Output gate (hybrid families) and o_proj. out [T, nh*hd] -> [T, H]."""
+    if gate is not None:
         out = out * jax.nn.sigmoid(gate)
-    return linear(out, p["o_proj"]), k_cache, v_cache
+    return linear(out, p["o_proj"])
+
+
+def paged_attention(q, k, v, k_pool, v_pool, layer: int, r: Ragged, window: int | None):
+    """The attention mixer backend: write the new keys/values into their pages, then causal GQA of
+    every token over its row's pages. Returns (out [T, nh*hd], k_pool, v_pool).
+
+    q [T, nh, hd]; k, v [T, kvh, hd]; pools [layers, num_pages, page_size, kvh, hd].
+
+    Write first, read second: a token sees the cached context and the new tokens of its own row
+    through the same page table, so a prompt prefilled in chunks (at any offsets) sees exactly
+    what one prefill would. Padding tokens write to the null page (``Ragged``); pages that no new
+    token maps to are untouched (the scatter names only the written (page, offset) pairs).
+
+    Keys are visited ``KEY_BLOCK`` positions at a time, only up to the batch's furthest position,
+    with an online (flash-style) fp32 softmax, so memory is O(T · KEY_BLOCK), not O(T · context).
+    A key is visible iff ``key_pos <= query_pos`` (and within ``window`` for sliding layers);
+    masked values are zeroed before use so whatever the null page holds never reaches a real row.
+    """
+    T, nh, hd = q.shape
+    nkv = k.shape[1]
+    page_size = k_pool.shape[2]
+    n_rows = r.num_rows
+    row = jnp.minimum(r.seq, n_rows - 1)
+    real = r.seq < n_rows
+    pages = jnp.where(real[:, None], r.page_table[row], 0)  # [T, W]; padding tokens -> null page
+    dst_page = jnp.take_along_axis(pages, (r.positions // page_size)[:, None], axis=1)[:, 0]
+    dst_off = r.positions % page_size
+    k_pool = k_pool.at[layer, dst_page, dst_off].set(k.astype(k_pool.dtype))
+    v_pool = v_pool.at[layer, dst_page, dst_off].set(v.astype(v_pool.dtype))
+
+    groups = nh // nkv
+    block_pages = KEY_BLOCK // page_size
+    qg = q.reshape(T, nkv, groups, hd)
+    q_pos = r.positions[:, None]
+    n_blocks = jnp.max(r.positions) // KEY_BLOCK + 1
+    neg = jnp.float32(-1e30)  # finite: a fully masked block must not make exp(-inf - -inf) = nan
+
+    def block(j, carry):
+        m, l, acc = carry
+        ids = lax.dynamic_slice_in_dim(pages, j * block_pages, block_pages, axis=1)  # [T, bp]
+        kb = k_pool[layer, ids].reshape(T, KEY_BLOCK, nkv, hd)
+        vb = v_pool[layer, ids].reshape(T, KEY_BLOCK, nkv, hd)
+        k_pos = j * KEY_BLOCK + jnp.arange(KEY_BLOCK)[None, :]
+        visible = k_pos <= q_pos  # [T, KB]
+        if window is not None:
+            visible &= k_pos > q_pos - window
+        vb = jnp.where(visible[:, :, None, None], vb, 0).astype(q.dtype)
+        s = jnp.einsum("tkgd,tlkd->tkgl", qg, kb.astype(q.dtype), preferred_element_type=jnp.float32)
+        s = jnp.where(visible[:, None, None, :], s * (hd**-0.5), neg)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.exp(s - m_new[..., None])
+        scale = jnp.exp(m - m_new)
+        l = l * scale + jnp.sum(p, axis=-1)
+        pv = jnp.einsum("tkgl,tlkd->tkgd", p.astype(q.dtype), vb, preferred_element_type=jnp.float32)
+        return m_new, l, acc * scale[..., None] + pv
+
+    init = (jnp.full((T, nkv, groups), neg), jnp.zeros((T, nkv, groups), jnp.float32),
+            jnp.zeros((T, nkv, groups, hd), jnp.float32))
+    _, l, acc = lax.fori_loop(0, n_blocks, block, init)
+    out = (acc / l[..., None]).astype(q.dtype).reshape(T, nh * hd)
+    return out, k_pool, v_pool
+
+
+def attention(p: dict, cfg: ModelConfig, layer_type: str, x: jax.Array, r: Ragged, k_pool: jax.Array,
+              v_pool: jax.Array, layer: int):
+    """Causal GQA with q/k norm, partial RoPE and (hybrid families) a sigmoid output gate, over
+    paged KV. x [T, H]; ``layer`` indexes this layer in the pools. Returns (y, k_pool, v_pool)."""
+    q, k, v, gate = attention_in(p, cfg, x, r.positions)
+    window = cfg.sliding_window if layer_type == SLIDING_ATTENTION else None
+    out, k_pool, v_pool = paged_attention(q, k, v, k_pool, v_pool, layer, r, window)
+    return attention_out(p, cfg, out, gate), k_pool, v_pool
+
+
+# ----------------------------------------------------------------------------------------------
+# Channel mixers.
+# ----------------------------------------------------------------------------------------------
 
 
 def mlp(p: dict, x: jax.Array) -> jax.Array:

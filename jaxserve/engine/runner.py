@@ -1,0 +1,286 @@
+"""The runner: one jitted step per bucketed shape, over donated pools.
+
+    out, pools = step(params, cfg, pools, make_batch(rows, buckets))
+
+The host (scheduler, radix tree) only chooses indices: which tokens at which positions, which
+pages and slots each row reads and writes, which slots receive snapshots. ``make_batch`` turns
+that into a ``Batch`` of numpy arrays padded to a bucket; ``step`` runs the model over the ragged
+batch with state in the pools and samples one token per row from the row's last token.
+
+What a step does to the pools, and why it is safe to overlap with host bookkeeping (DESIGN.md
+invariant 3: the next step's input is this step's output, so device work is ordered by data):
+
+- KV: every new token's k/v is written at (page_table[row][pos // page_size], pos % page_size);
+  nothing else in the KV pools changes. Attention reads the row's pages up to each query's
+  position (cached context + the new tokens of this step).
+- Linear state: row ``b`` starts from ``restore_src[b]`` if non-zero (copy-on-restore: the tree's
+  snapshot is only read, the copy is the final state written into the row's own ``slot[b]``), else
+  from ``slot[b]``; a row with ``context_len == 0`` starts from zeros whatever its slot held. The
+  final state goes to ``slot[b]``. Snapshot ``s`` writes the state after ``snap_len[s]`` tokens of
+  row ``snap_seq[s]`` into ``snap_dst[s]`` — every GDN layer, conv and recurrent state (invariant
+  1); this is also the clone of copy-on-donate (invariant 2): written once, here, never by a row.
+- Padding (tokens past the real ones, rows past the real ones, snapshot entries past the real
+  ones) writes only to the null page / null slot 0. Slots and pages named by no row are untouched.
+
+Buckets (``Buckets``): a mixed / prefill step pads T (tokens) to ``Buckets.tokens`` and has
+B = min(T, max_seqs) rows; a pure-decode step (every row exactly one token) takes a separate path
+with T = B padded to ``Buckets.seqs`` (one query per row, one-step recurrent GDN); both pad S
+(snapshots) to ``Buckets.snapshots``. The page-table width is fixed per engine. So a server compiles
+at most (|tokens| + |seqs|)·|snapshots| programs (``warmup`` compiles them up front,
+``compile_count()`` says how many exist).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from functools import partial
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import ModelConfig
+from jaxserve.models import decoder
+from jaxserve.models.decoder import Pools
+from jaxserve.models.layers import KEY_BLOCK
+from jaxserve.sampler import sample
+
+
+class Batch(NamedTuple):
+    """One step's inputs, numpy on the host, padded to a bucket (``make_batch``).
+
+    T tokens, B rows, S snapshot requests, W = page-table width."""
+
+    tokens: np.ndarray       # [T] int32; padding 0
+    positions: np.ndarray    # [T] int32 absolute; padding 0
+    cu_seqlens: np.ndarray   # [B+1] int32; row b owns tokens [cu[b], cu[b+1])
+    context_len: np.ndarray  # [B] int32 tokens already cached = position of the row's first token
+    slot: np.ndarray         # [B] int32 the row's own live slot (read and written); 0 = none / padding
+    restore_src: np.ndarray  # [B] int32 tree snapshot slot to start from instead (a hit); 0 = none
+    page_table: np.ndarray   # [B, W] int32 pages covering positions 0..; 0 = null
+    temperature: np.ndarray  # [B] float32, 0 = greedy
+    top_k: np.ndarray        # [B] int32, 0 = off
+    top_p: np.ndarray        # [B] float32, 1 = off
+    seed: np.ndarray         # [B] uint32 per-request sampling seed
+    sample_idx: np.ndarray   # [B] int32 which sample of the request this is: key = fold_in(key(seed), idx)
+    snap_seq: np.ndarray     # [S] int32 row
+    snap_len: np.ndarray     # [S] int32 tokens of that row consumed in this step
+    snap_dst: np.ndarray     # [S] int32 destination slot; padding 0
+
+
+class StepOutput(NamedTuple):
+    tokens: jax.Array    # [B] int32, sampled from each row's last token (padding rows: garbage)
+    logprobs: jax.Array  # [B] fp32, the token's log-probability under the raw distribution
+    logits: jax.Array | None = None  # [B, V] fp32, only with step(..., return_logits=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """The static shapes a running server compiles for (each tuple ascending).
+
+    A mixed / prefill step pads T to ``tokens`` and always has B = ``rows_for(T)`` =
+    min(T, max seqs) rows: every real row holds at least one token, so that many rows always
+    suffice, and B costs no extra compile dimension. A decode step pads B to ``seqs`` (T = B). Both
+    pad S to ``snapshots``. Programs: |tokens|·|snapshots| mixed + |seqs|·|snapshots| decode."""
+
+    tokens: tuple[int, ...]     # T of mixed / prefill steps
+    seqs: tuple[int, ...]       # B (= T) of decode steps; the last is max_seqs
+    snapshots: tuple[int, ...]  # S
+    pages_per_seq: int          # W, page-table width, a multiple of KEY_BLOCK // page_size
+    page_size: int
+
+    @classmethod
+    def for_limits(cls, *, max_prefill_tokens: int, max_seqs: int, max_model_len: int, page_size: int,
+                   max_snapshots: int | None = None, min_tokens: int = 16) -> "Buckets":
+        """T: powers of two from ``min_tokens`` up to ``max_prefill_tokens``; B: powers of two up to
+        ``max_seqs``; S: powers of four from 2 up to ``max_snapshots`` (default: one boundary per 64
+        prefill tokens plus one per row, enough for any step the scheduler can plan)."""
+        if KEY_BLOCK % page_size:
+            raise ValueError(f"page_size {page_size} must divide {KEY_BLOCK}")
+        if max_snapshots is None:
+            max_snapshots = max_prefill_tokens // KEY_BLOCK + max_seqs
+        per_block = KEY_BLOCK // page_size
+        width = -(-max_model_len // page_size)
+        return cls(_ladder(min(min_tokens, max_prefill_tokens), max_prefill_tokens, 2), _ladder(1, max_seqs, 2),
+                   _ladder(2, max(max_snapshots, 2), 4), -(-width // per_block) * per_block, page_size)
+
+    def rows_for(self, num_tokens: int) -> int:
+        """B of a mixed step with T = ``num_tokens``."""
+        return min(num_tokens, self.seqs[-1])
+
+    def programs(self) -> list[tuple[int, int, int, bool]]:
+        """Every (T, B, S, decode) this bucket set can produce."""
+        mixed = [(t, self.rows_for(t), s, False) for t in self.tokens for s in self.snapshots]
+        return mixed + [(b, b, s, True) for b in self.seqs for s in self.snapshots]
+
+
+def _ladder(lo: int, hi: int, factor: int) -> tuple[int, ...]:
+    out, n = [], lo
+    while n < hi:
+        out.append(n)
+        n *= factor
+    return (*out, hi)
+
+
+def _fit(n: int, sizes: tuple[int, ...], what: str) -> int:
+    for size in sizes:
+        if n <= size:
+            return size
+    raise ValueError(f"{n} {what} exceed the largest bucket {sizes[-1]}")
+
+
+@dataclasses.dataclass
+class RowSpec:
+    """One sequence's share of a step, as the host sees it."""
+
+    tokens: Sequence[int]  # the new tokens, at positions start..
+    start: int             # tokens already in the cache (context_len)
+    pages: Sequence[int]   # page ids covering positions 0 .. start + len(tokens) - 1 (at least)
+    slot: int = 0          # the request's own linear-state slot (0 for plain-attention models)
+    restore_src: int = 0   # tree snapshot to start from (a hit), 0 = none
+    snapshots: Sequence[tuple[int, int]] = ()  # (tokens of this row consumed, destination slot)
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    sample_idx: int = 0
+
+
+def padding_batch(T: int, B: int, S: int, width: int, decode: bool) -> Batch:
+    """A batch of nothing but padding: every write goes to the null page / null slot. ``make_batch``
+    fills one in; ``warmup`` runs them to compile every program without touching live state."""
+    return Batch(
+        tokens=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
+        cu_seqlens=np.arange(B + 1, dtype=np.int32) if decode else np.zeros(B + 1, np.int32),
+        context_len=np.zeros(B, np.int32), slot=np.zeros(B, np.int32), restore_src=np.zeros(B, np.int32),
+        page_table=np.zeros((B, width), np.int32), temperature=np.zeros(B, np.float32),
+        top_k=np.zeros(B, np.int32), top_p=np.ones(B, np.float32), seed=np.zeros(B, np.uint32),
+        sample_idx=np.zeros(B, np.int32), snap_seq=np.zeros(S, np.int32), snap_len=np.zeros(S, np.int32),
+        snap_dst=np.zeros(S, np.int32))
+
+
+def make_batch(rows: Sequence[RowSpec], buckets: Buckets) -> Batch:
+    """Pack rows into a padded ``Batch`` (numpy). A pure-decode batch (every row one token) gets
+    T = B and takes the decode path. Raises ``ValueError`` on what the device cannot check: pages
+    not covering the tokens, a snapshot the chunked kernels cannot produce (not 0, not the row's
+    length, not on a ×64 boundary), slots shared between writers (invariant 2), or no bucket."""
+    if not rows:
+        raise ValueError("a step needs at least one row")
+    ps, width = buckets.page_size, buckets.pages_per_seq
+    decode = all(len(r.tokens) == 1 for r in rows)
+    if decode:
+        T = B = _fit(len(rows), buckets.seqs, "rows")
+    else:
+        T = _fit(sum(len(r.tokens) for r in rows), buckets.tokens, "tokens")
+        B = buckets.rows_for(T)
+        if len(rows) > B:
+            raise ValueError(f"{len(rows)} rows exceed max_seqs {B}")
+    snaps = [(i, n, dst) for i, r in enumerate(rows) for n, dst in r.snapshots]
+    S = _fit(len(snaps), buckets.snapshots, "snapshots")
+
+    writers = [r.slot for r in rows if r.slot] + [dst for _, _, dst in snaps]
+    if len(set(writers)) != len(writers) or any(dst == 0 for _, _, dst in snaps):
+        raise ValueError(f"slots written by a step must be distinct and non-null: rows {[r.slot for r in rows]}, "
+                         f"snapshots {[dst for _, _, dst in snaps]}")
+    if any(r.restore_src and r.restore_src in writers for r in rows):
+        raise ValueError("a restore source is written in the same step")
+
+    b = padding_batch(T, B, S, width, decode)
+    t = 0
+    for i, r in enumerate(rows):
+        n, end = len(r.tokens), r.start + len(r.tokens)
+        if n < 1:
+            raise ValueError(f"row {i} has no tokens")
+        if len(r.pages) * ps < end or -(-end // ps) > width:
+            raise ValueError(f"row {i}: {len(r.pages)} pages of {ps} do not cover positions [0, {end}) "
+                             f"(or exceed the page table width {width})")
+        b.tokens[t : t + n] = r.tokens
+        b.positions[t : t + n] = np.arange(r.start, end)
+        t += n
+        b.cu_seqlens[i + 1] = t
+        b.context_len[i], b.slot[i], b.restore_src[i] = r.start, r.slot, r.restore_src
+        used = -(-end // ps)
+        b.page_table[i, :used] = r.pages[:used]
+        b.temperature[i], b.top_k[i], b.top_p[i] = r.temperature, r.top_k, r.top_p
+        b.seed[i], b.sample_idx[i] = r.seed & 0xFFFFFFFF, r.sample_idx
+    if not decode:  # padding rows are empty; in a decode batch they carry one null token each
+        b.cu_seqlens[len(rows) + 1 :] = t
+    for s, (i, n, dst) in enumerate(snaps):
+        r = rows[i]
+        if not 0 <= n <= len(r.tokens) or not (n in (0, len(r.tokens)) or (r.start + n) % KEY_BLOCK == 0 or decode):
+            raise ValueError(f"row {i}: snapshot after {n} of its {len(r.tokens)} tokens (start {r.start}) is not "
+                             f"0, the row's length, or a ×{KEY_BLOCK} boundary")
+        b.snap_seq[s], b.snap_len[s], b.snap_dst[s] = i, n, dst
+    return b
+
+
+def is_decode(batch: Batch) -> bool:
+    """Every row exactly one token (padding rows included): the decode path. Read from the host
+    copy of ``cu_seqlens``, so it costs no device sync."""
+    cu = np.asarray(batch.cu_seqlens)
+    return batch.tokens.shape[0] == cu.shape[0] - 1 and bool(np.all(np.diff(cu) == 1))
+
+
+@partial(jax.jit, static_argnames=("cfg", "decode", "return_logits"), donate_argnames=("pools",))
+def _step(params, cfg: ModelConfig, pools: Pools, batch: Batch, decode: bool, return_logits: bool):
+    read_slot = jnp.where(batch.restore_src != 0, batch.restore_src, batch.slot)
+    r = decoder.make_ragged(batch.positions, batch.cu_seqlens, batch.context_len, batch.page_table, read_slot,
+                            batch.slot, batch.snap_seq, batch.snap_len, batch.snap_dst)
+    logits, pools = decoder.forward_ragged(params, cfg, batch.tokens, r, pools, decode=decode)
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(batch.seed, batch.sample_idx)
+    tokens, logprobs = sample(logits, keys, batch.temperature, batch.top_k, batch.top_p)
+    return StepOutput(tokens, logprobs, logits if return_logits else None), pools
+
+
+def step(params, cfg: ModelConfig, pools: Pools, batch: Batch, *, return_logits: bool = False
+         ) -> tuple[StepOutput, Pools]:
+    """Run one step. ``pools`` is donated: use the returned pools, never the argument again.
+    Dispatch is asynchronous; reading ``StepOutput`` (or ``block_until_ready``) is the barrier."""
+    return _step(params, cfg, pools, batch, is_decode(batch), return_logits)
+
+
+def compile_count() -> int:
+    """Step variants compiled so far in this process (all models, all buckets)."""
+    return _step._cache_size()
+
+
+def warmup(params, cfg: ModelConfig, pools: Pools, buckets: Buckets, programs=None) -> Pools:
+    """Compile ``programs`` (default: all of ``buckets.programs()``) by running all-padding batches:
+    they write only the null page and null slot, so live pools are safe to pass. Returns the pools."""
+    for T, B, S, decode in programs or buckets.programs():
+        out, pools = step(params, cfg, pools, padding_batch(T, B, S, buckets.pages_per_seq, decode))
+    jax.block_until_ready(pools)
+    return pools
+
+
+class DeviceExecutor:
+    """The engine's ``Executor`` protocol (jaxserve/engine/engine.py) over real pools.
+
+    Duck-typed on the scheduler's plan (``plan.rows``: ``req``, ``start``, ``tokens``,
+    ``restore_src``, ``snapshots``; ``req.pages``, ``req.slot``, ``req.sampling``,
+    ``req.output_ids``) so the runner does not import the scheduler (imports point down)."""
+
+    def __init__(self, params, cfg: ModelConfig, pools: Pools, buckets: Buckets):
+        self.params, self.cfg, self.pools, self.buckets = params, cfg, pools, buckets
+
+    def execute(self, plan) -> tuple[list[int], list[float]]:
+        rows = []
+        for row in plan.rows:
+            req, sp = row.req, row.req.sampling
+            rows.append(RowSpec(tokens=row.tokens, start=row.start, pages=req.pages, slot=req.slot or 0,
+                                restore_src=row.restore_src, snapshots=row.snapshots, temperature=sp.temperature,
+                                top_k=sp.top_k, top_p=sp.top_p, seed=sp.seed, sample_idx=len(req.output_ids)))
+        out, self.pools = step(self.params, self.cfg, self.pools, make_batch(rows, self.buckets))
+        n = len(rows)
+        return np.asarray(out.tokens)[:n].tolist(), np.asarray(out.logprobs)[:n].tolist()
+
+    def barrier(self) -> None:
+        jax.block_until_ready(self.pools)
+
+    def slot_checksum(self, slot: int) -> int:
+        h = hashlib.blake2b(digest_size=8)
+        h.update(np.asarray(self.pools.conv[:, slot]).tobytes())
+        h.update(np.asarray(self.pools.rec[:, slot]).tobytes())
+        return int.from_bytes(h.digest(), "little")

@@ -1,0 +1,323 @@
+"""The pooled serving step against the dense per-sequence forward, on tiny real checkpoints.
+
+One schedule per model drives ``runner.step`` through prefill chunks at non-aligned offsets
+continuing earlier chunks, mixed prefill + decode steps, pure-decode steps, snapshots (mid-row on
+a ×64 boundary, a whole 1-token row, a decode-path row), and restores from those snapshots (a
+prefill hit and a decode hit). Every row's token and logprob must equal what the dense
+``decoder.forward`` gives for that sequence alone (a cold run), every snapshot slot must equal the
+dense state at its boundary, and after every step every page offset and slot the step did not name
+must be bit-identical (padding rows write only the null page / slot; tree slots read by a
+restore stay untouched).
+
+All steps of a model share one prefill bucket and one decode bucket, and the dense reference runs
+all sequences as one [N, 64] batch twice, so each model compiles three programs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.engine import pools as pool_mod
+from jaxserve.engine import runner
+from jaxserve.models import decoder
+from weights import load_model
+
+MODELS = [("qwen3_5", "dense"), ("qwen3_next", "moe"), ("qwen3", "base")]
+PAGE = 16
+MAX_LEN = 128  # every sequence fits; the dense reference is [N, 64] run twice
+BUCKETS = runner.Buckets(tokens=(128,), seqs=(8,), snapshots=(4,), pages_per_seq=MAX_LEN // PAGE, page_size=PAGE)
+GREEDY = dict(temperature=0.0)
+SAMPLED = dict(temperature=0.8, top_k=20, top_p=0.9, seed=7)
+
+
+@dataclasses.dataclass
+class Seq:
+    name: str
+    tokens: list[int]  # everything fed so far, then the prompt remainder
+    pages: list[int]
+    slot: int
+    sampling: dict
+    fed: int = 0
+    samples: int = 0
+
+
+def _run_schedule(model):
+    """Drive the runner; returns records of every row, snapshot slots and the final pools."""
+    cfg, params = model.config, model.params
+    hybrid = cfg.is_hybrid
+    plan = pool_mod.plan_pools(cfg, jnp.float32, page_size=PAGE, max_seqs=8, num_pages=48, num_slots=16)
+    pools = pool_mod.init_pools(plan, cfg, jnp.float32)
+    rng = np.random.default_rng(0)
+    rand = lambda n: rng.integers(0, cfg.vocab_size, n).tolist()  # noqa: E731
+    free_pages = iter(range(1, plan.num_pages))
+    new_pages = lambda n: [next(free_pages) for _ in range(n)]  # noqa: E731
+    slot = (lambda s: s if hybrid else 0)
+    seqs = {
+        "A": Seq("A", rand(100), new_pages(8), slot(1), GREEDY),
+        "B": Seq("B", rand(62), new_pages(8), slot(2), GREEDY),
+        "C": Seq("C", rand(63), new_pages(8), slot(3), SAMPLED),
+        "E": Seq("E", rand(4), new_pages(1), slot(6), GREEDY),
+    }
+    snap = {"A": slot(9), "B": slot(10), "C": slot(11)}  # tree slots: written once by a snapshot op
+    records, checks = [], []
+    before_compiles = runner.compile_count()
+
+    def row(name, n, snapshots=(), restore=0):
+        s = seqs[name]
+        return s, runner.RowSpec(tokens=s.tokens[s.fed : s.fed + n], start=s.fed, pages=s.pages, slot=s.slot,
+                                 restore_src=restore if hybrid else 0,
+                                 snapshots=[(k, snap[w]) for k, w in snapshots] if hybrid else [],
+                                 sample_idx=s.samples, **s.sampling)
+
+    def run(rows):
+        nonlocal pools
+        specs = [spec for _, spec in rows]
+        batch = runner.make_batch(specs, BUCKETS)
+        host = jax.tree.map(np.asarray, pools)
+        out, pools = runner.step(params, cfg, pools, batch)
+        toks, lps = np.asarray(out.tokens), np.asarray(out.logprobs)
+        checks.append((host, jax.tree.map(np.asarray, pools), specs))
+        for i, (s, spec) in enumerate(rows):
+            s.fed += len(spec.tokens)
+            records.append((s.name, s.fed - 1, int(toks[i]), float(lps[i]), s.sampling is GREEDY))
+            if s.fed == len(s.tokens):  # the row ended its pending tokens: the sample is kept
+                s.tokens.append(int(toks[i]))
+                s.samples += 1
+
+    # 1. four prefill chunks (A and B stop mid-prompt at non-aligned offsets); E is then retired.
+    run([row("A", 37), row("B", 23), row("C", 63), row("E", 4)])
+    # 2. A crosses 64 mid-row (snapshot after 27 of 63 tokens), B finishes its prompt, C decodes
+    #    position 63 and snapshots after its single token (= the row's length).
+    run([row("A", 63, [(27, "A")]), row("B", 39), row("C", 1, [(1, "C")])])
+    # 3. D = A's first 64 tokens (a cache hit: A's pages, restore from A's snapshot) + its own 30;
+    #    mixed with three decodes.
+    a = seqs["A"]
+    seqs["D"] = Seq("D", a.tokens[:64] + rand(30), a.pages[:4] + new_pages(4), slot(4), GREEDY, fed=64)
+    run([row("D", 30, restore=snap["A"]), row("A", 1), row("B", 1), row("C", 1)])
+    # 4. pure decode: B decodes position 63 and snapshots 64 on the decode path; F = C's first 64
+    #    tokens + one of its own, restored from C's snapshot (a hit on the decode path).
+    c = seqs["C"]
+    seqs["F"] = Seq("F", c.tokens[:64] + [(c.tokens[64] + 1) % cfg.vocab_size], c.pages[:4] + new_pages(4),
+                    slot(5), GREEDY, fed=64)
+    run([row("A", 1), row("B", 1, [(1, "B")]), row("C", 1), row("D", 1), row("F", 1, restore=snap["C"])])
+    # 5. pure decode again, plus G: a fresh 1-token prompt in E's old slot and page, which still
+    #    hold E's state and KV (a fresh sequence must start from zeros whatever its slot held).
+    seqs["G"] = Seq("G", rand(1), seqs["E"].pages, slot(6), GREEDY)
+    run([row(n, 1) for n in "ABCDFG"])
+    return dict(seqs=seqs, records=records, checks=checks, pools=jax.tree.map(np.asarray, pools), snap=snap,
+                compiles=runner.compile_count() - before_compiles)
+
+
+def _reference(model, seqs):
+    """Dense cold runs: every sequence alone in its own row of decoder.forward (zero-padded to
+    MAX_LEN; causal, so padding changes no earlier logit). Returns log-probs [N, MAX_LEN, V] and the
+    dense state after 64 tokens."""
+    names = list(seqs)
+    toks = np.zeros((len(names), MAX_LEN), np.int32)
+    for i, n in enumerate(names):
+        toks[i, : len(seqs[n].tokens)] = seqs[n].tokens
+    state = decoder.init_state(model.config, len(names), MAX_LEN, jnp.float32)
+    logits = []
+    for start in (0, 64):
+        pos = jnp.broadcast_to(jnp.arange(start, start + 64, dtype=jnp.int32), (len(names), 64))
+        lg, state = decoder.forward(model.params, model.config, jnp.asarray(toks[:, start : start + 64]), pos, state)
+        logits.append(np.asarray(lg))
+        if start == 0:
+            at64 = jax.tree.map(np.asarray, state)
+    logp = jax.nn.log_softmax(jnp.asarray(np.concatenate(logits, axis=1)), axis=-1)
+    return {n: i for i, n in enumerate(names)}, np.asarray(logp), at64
+
+
+@pytest.fixture(scope="module", params=MODELS, ids=lambda m: f"{m[0]}-{m[1]}")
+def case(request, oracle_dir):
+    model = load_model(oracle_dir / f"{request.param[0]}-{request.param[1]}", dtype="float32", progress=False)
+    result = _run_schedule(model)
+    index, logp, at64 = _reference(model, result["seqs"])
+    return model, result, index, logp, at64
+
+
+def test_step_equals_dense_forward(case):
+    """Every row's sampled token and logprob match the sequence run alone, cold (hit equals cold
+    for the restored rows D and F)."""
+    _, result, index, logp, _ = case
+    for name, pos, tok, lp, greedy in result["records"]:
+        ref = logp[index[name], pos]
+        if greedy:
+            assert tok == int(np.argmax(ref)), f"{name}@{pos}: token {tok} != {int(np.argmax(ref))}"
+        assert abs(lp - ref[tok]) < 1e-4, f"{name}@{pos}: logprob {lp} != {ref[tok]}"
+    assert {r[0] for r in result["records"]} == set("ABCDEFG")
+
+
+def test_snapshots_equal_dense_state(case):
+    """A mid-row chunked snapshot (A), a whole-row one (C) and a decode-path one (B), all after 64
+    tokens: every GDN layer's conv and recurrent state equals the dense state there."""
+    model, result, index, _, at64 = case
+    if not model.config.is_hybrid:
+        assert result["pools"].conv.size == 0 and result["pools"].rec.size == 0
+        return
+    pools = result["pools"]
+    for name, slot in result["snap"].items():
+        np.testing.assert_allclose(pools.conv[:, slot], at64.conv[:, index[name]], atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(pools.rec[:, slot], at64.rec[:, index[name]], atol=1e-5, err_msg=name)
+
+
+def test_steps_touch_only_what_they_name(case):
+    """Bit-identical before/after each step: every KV (page, offset) no new token maps to and every
+    slot that is neither a row's own nor a snapshot destination (null page / slot aside). So
+    padding writes nowhere else, and the tree slots read by restores are unchanged."""
+    _, result, _, _, _ = case
+    restored = 0
+    for before, after, specs in result["checks"]:
+        written = np.zeros(before.k.shape[1:3], bool)
+        for s in specs:
+            for pos in range(s.start, s.start + len(s.tokens)):
+                written[s.pages[pos // PAGE], pos % PAGE] = True
+        written[pool_mod.NULL_PAGE] = True
+        for b, a in ((before.k, after.k), (before.v, after.v)):
+            assert np.array_equal(b[:, ~written], a[:, ~written])
+        slots = {s.slot for s in specs} | {dst for s in specs for _, dst in s.snapshots} | {pool_mod.NULL_SLOT}
+        keep = [i for i in range(before.conv.shape[1]) if i not in slots]
+        for b, a in ((before.conv, after.conv), (before.rec, after.rec)):
+            assert np.array_equal(b[:, keep], a[:, keep])
+        for s in specs:
+            if s.restore_src:
+                restored += 1
+                assert np.array_equal(before.rec[:, s.restore_src], after.rec[:, s.restore_src])
+                assert np.array_equal(before.conv[:, s.restore_src], after.conv[:, s.restore_src])
+    assert restored == (2 if before.conv.shape[0] else 0)
+
+
+def test_one_compile_per_bucket(case):
+    """Five steps of varying raggedness hit two programs: one prefill/mixed bucket, one decode."""
+    assert case[1]["compiles"] == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# Host-side batch building (no device work).
+# ------------------------------------------------------------------------------------------------
+
+
+def test_make_batch_pads_to_buckets():
+    rows = [runner.RowSpec(tokens=[5, 6, 7], start=16, pages=[3, 4], slot=2, snapshots=[(0, 9)]),
+            runner.RowSpec(tokens=[8], start=0, pages=[7], slot=3)]
+    b = runner.make_batch(rows, BUCKETS)
+    assert b.tokens.shape == (128,) and b.cu_seqlens.tolist()[:4] == [0, 3, 4, 4] and not runner.is_decode(b)
+    assert b.positions[:4].tolist() == [16, 17, 18, 0] and b.page_table[0, :3].tolist() == [3, 4, 0]
+    assert b.snap_seq.tolist() == [0, 0, 0, 0] and b.snap_dst.tolist() == [9, 0, 0, 0]
+    d = runner.make_batch([runner.RowSpec(tokens=[1], start=5, pages=[2], slot=1)], BUCKETS)
+    assert runner.is_decode(d) and d.tokens.shape == (8,) and d.cu_seqlens.tolist() == list(range(9))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (runner.RowSpec(tokens=[1] * 20, start=0, pages=[1], slot=1), "do not cover"),
+    (runner.RowSpec(tokens=[1] * 20, start=30, pages=[1, 2, 3, 4], slot=1, snapshots=[(10, 5)]), "boundary"),
+    (runner.RowSpec(tokens=[1] * 20, start=44, pages=[1, 2, 3, 4], slot=1, snapshots=[(20, 1)]), "distinct"),
+    (runner.RowSpec(tokens=[1] * 20, start=44, pages=[1, 2, 3, 4], slot=1, restore_src=1), "restore"),
+    (runner.RowSpec(tokens=[1] * 200, start=0, pages=list(range(1, 14)), slot=1), "bucket|cover"),
+])
+def test_make_batch_rejects(bad, match):
+    with pytest.raises(ValueError, match=match):
+        runner.make_batch([bad], BUCKETS)
+
+
+def test_buckets_for_limits():
+    b = runner.Buckets.for_limits(max_prefill_tokens=2048, max_seqs=48, max_model_len=1000, page_size=16)
+    assert b.tokens == (16, 32, 64, 128, 256, 512, 1024, 2048)
+    assert b.seqs == (1, 2, 4, 8, 16, 32, 48)
+    assert b.snapshots == (2, 8, 32, 2048 // 64 + 48)
+    assert b.pages_per_seq == 64 and b.rows_for(16) == 16 and b.rows_for(2048) == 48
+    assert len(b.programs()) == (8 + 7) * 4
+    with pytest.raises(ValueError, match="divide"):
+        runner.Buckets.for_limits(max_prefill_tokens=64, max_seqs=4, max_model_len=64, page_size=24)
+
+
+def test_warmup_writes_only_null_entries(case):
+    """All-padding batches (what ``warmup`` runs) leave every non-null page and slot bit-identical,
+    so warming up on live pools is safe. Uses this model's two programs: no new compile."""
+    model, result, _, _, _ = case
+    rng = np.random.default_rng(1)
+    live = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), result["pools"])
+    before = jax.tree.map(np.asarray, live)
+    after = runner.warmup(model.params, model.config, live, BUCKETS, programs=[(128, 8, 4, False), (8, 8, 4, True)])
+    for b, a in zip(before, jax.tree.map(np.asarray, after)):
+        assert np.array_equal(b[:, 1:], a[:, 1:])
+
+
+def test_device_executor_runs_a_scheduler_plan(case):
+    """The Executor adapter maps a scheduler plan (duck-typed) onto the step: step 1 of the
+    schedule again, through fresh pools, gives the same tokens."""
+    model, result, _, _, _ = case
+    seqs = result["seqs"]
+    plan = pool_mod.plan_pools(model.config, jnp.float32, page_size=PAGE, max_seqs=8, num_pages=48, num_slots=16)
+    ex = runner.DeviceExecutor(model.params, model.config, pool_mod.init_pools(plan, model.config, jnp.float32),
+                               BUCKETS)
+    ns = lambda **kw: type("NS", (), kw)  # noqa: E731
+    rows = []
+    for name, n in (("A", 37), ("B", 23), ("C", 63), ("E", 4)):
+        s = seqs[name]
+        req = ns(pages=s.pages, slot=s.slot, output_ids=[], sampling=ns(**{"top_k": 0, "top_p": 1.0, "seed": 0,
+                                                                           **s.sampling}))
+        rows.append(ns(req=req, start=0, tokens=s.tokens[:n], restore_src=0, snapshots=[]))
+    tokens, logprobs = ex.execute(ns(rows=rows))
+    first = result["records"][:4]
+    assert tokens == [r[2] for r in first]
+    np.testing.assert_allclose(logprobs, [r[3] for r in first], atol=1e-6)
+    ex.barrier()
+    if model.config.is_hybrid:
+        assert ex.slot_checksum(9) == ex.slot_checksum(10)  # both untouched zeros
+        assert ex.slot_checksum(1) != ex.slot_checksum(9)
+
+
+def test_paged_attention_matches_naive():
+    """The attention backend alone against a numpy loop: GQA, scattered non-contiguous pages,
+    cached context + new tokens, a sliding window, padding tokens and an empty padding row."""
+    from jaxserve.models.layers import paged_attention
+
+    rng = np.random.default_rng(3)
+    nh, nkv, hd, ps, n_pages, window = 4, 2, 8, 16, 20, 40
+    lens, ctx = [5, 1, 30], [70, 17, 0]  # row 1 is a decode; row 3 is padding
+    pages = [[7, 3, 12, 9, 15, 2], [11, 4], [5, 18]]
+    T = 48
+    cu = np.concatenate([[0], np.cumsum(lens), [sum(lens)]]).astype(np.int32)
+    pos = np.zeros(T, np.int32)
+    table = np.zeros((4, 8), np.int32)
+    for b in range(3):
+        pos[cu[b] : cu[b + 1]] = np.arange(ctx[b], ctx[b] + lens[b])
+        table[b, : len(pages[b])] = pages[b]
+    k_pool = rng.standard_normal((2, n_pages, ps, nkv, hd)).astype(np.float32)
+    v_pool = rng.standard_normal((2, n_pages, ps, nkv, hd)).astype(np.float32)
+    q = rng.standard_normal((T, nh, hd)).astype(np.float32)
+    k = rng.standard_normal((T, nkv, hd)).astype(np.float32)
+    v = rng.standard_normal((T, nkv, hd)).astype(np.float32)
+    z = np.zeros(4, np.int32)
+    r = decoder.make_ragged(jnp.asarray(pos), jnp.asarray(cu), jnp.asarray(np.array(ctx + [0], np.int32)),
+                            jnp.asarray(table), jnp.asarray(z), jnp.asarray(z))
+    for w in (None, window):
+        out, kp, vp = jax.jit(paged_attention, static_argnums=(5, 7))(q, k, v, k_pool, v_pool, 1, r, w)
+        out, kp = np.asarray(out).reshape(T, nh, hd), np.asarray(kp)
+        ref_k, ref_v = k_pool.copy(), v_pool.copy()
+        for b in range(3):
+            for t in range(cu[b], cu[b + 1]):
+                ref_k[1, pages[b][pos[t] // ps], pos[t] % ps] = k[t]
+                ref_v[1, pages[b][pos[t] // ps], pos[t] % ps] = v[t]
+        for b in range(3):
+            keys = np.stack([ref_k[1, pages[b][p // ps], p % ps] for p in range(ctx[b] + lens[b])])
+            vals = np.stack([ref_v[1, pages[b][p // ps], p % ps] for p in range(ctx[b] + lens[b])])
+            for t in range(cu[b], cu[b + 1]):
+                lo = 0 if w is None else max(0, pos[t] - w + 1)
+                for h in range(nh):
+                    s = keys[lo : pos[t] + 1, h // 2] @ q[t, h] / np.sqrt(hd)
+                    p = np.exp(s - s.max())
+                    np.testing.assert_allclose(out[t, h], p @ vals[lo : pos[t] + 1, h // 2] / p.sum(), atol=1e-5)
+        written = np.zeros((n_pages, ps), bool)
+        written[0] = True  # padding tokens land in the null page
+        for b in range(3):
+            for p in range(ctx[b], ctx[b] + lens[b]):
+                written[pages[b][p // ps], p % ps] = True
+        assert np.array_equal(kp[1][~written], ref_k[1][~written]) and np.array_equal(kp[0], k_pool[0])
+        np.testing.assert_array_equal(kp[1, 1:][written[1:]], ref_k[1, 1:][written[1:]])
