@@ -1,0 +1,507 @@
+"""Kernel benchmarks on the GPU: ours vs the best peer kernel vs the XLA-compiled jnp reference
+vs the roofline, one JSON record per case.
+
+    python benchmarks/kernels.py [--only decode] [--out DIR] [--quick]
+    python benchmarks/kernels.py --table benchmarks/results/kernels-h200.json   # RESULTS.md table
+
+Kernel families register a ``Suite`` in ``SUITES`` (cases, a JAX runner, a peer runner): decode
+is here now; chunked prefill, conv1d and paged attention add theirs the same way.
+
+Method (the device tool's METHOD.md): inputs are random (never zeros), states live in a pool of
+at least 256 slots (>= 512 MiB, many times the 60 MB L2) and every step of a timed chain moves to
+fresh slots, so no state is served from L2. JAX side (ours, jnp reference): a jitted chain of
+``steps`` decode steps, the pool donated and threaded through; the reported time is the sum of
+the chain's kernel durations measured with CUPTI (Mosaic GPU's profiler hook) divided by
+``steps``, median of ``REPEATS`` chains after warm-up; the wall-clock time of the same chain per
+step is recorded beside it. Peer side (fla's Triton kernels, torch): the same chain of calls
+captured in one CUDA graph, replayed ``REPEATS`` times, timed with CUDA events, median. fla runs in
+a child process of this script, after the JAX side, one case at a time, so a peer crash (issue 6
+reports fla's GDN fused recurrent kernel hitting an illegal memory access at batch 256) is recorded
+in that case's record instead of taking the whole run down (a CUDA fault poisons the process). Roofline: the state bytes a step must
+move (read + write, fp32) over the device-to-device copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from typing import Callable
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+DATE = "2026-12-02"
+REPEATS = 10
+MIN_POOL_SLOTS = 256
+RESULTS = os.path.join(ROOT, "benchmarks", "results", "kernels-h200.json")
+
+
+# ------------------------------------------------------------------------------------------------
+# Cases
+# ------------------------------------------------------------------------------------------------
+
+# Qwen3-Next (and Qwen3.5) GDN layers: 16 key heads, 32 value heads, d 128. Kimi-Linear KDA layers
+# (transformers' KimiLinearConfig defaults: linear_num_heads 32, linear_head_dim 128): Hk = Hv = 32.
+DECODE_MODELS = {
+    "gdn": dict(model="Qwen3-Next", Hk=16, Hv=32, dk=128, dv=128),
+    "kda": dict(model="Kimi-Linear", Hk=32, Hv=32, dk=128, dv=128),
+}
+DECODE_BATCHES = (1, 64, 256, 512)
+if os.environ.get("KERNELS_SMOKE"):  # CPU smoke run of this script: tiny shapes, interpret mode
+    DECODE_MODELS = {k: dict(m, Hk=1, Hv=2, dk=64, dv=64) for k, m in DECODE_MODELS.items()}
+    DECODE_BATCHES, MIN_POOL_SLOTS, REPEATS = (1, 3), 4, 2
+
+def decode_cases(quick=False):
+    batches = DECODE_BATCHES[::3] if quick else DECODE_BATCHES
+    return [dict(suite="decode", kind=kind, B=B, **DECODE_MODELS[kind])
+            for kind in ("gdn", "kda") for B in batches]
+
+
+def case_key(case):
+    m = case
+    return (f"{m['kind']}_decode", f"B={m['B']} Hk={m['Hk']} Hv={m['Hv']} dk={m['dk']} dv={m['dv']} ({m['model']})")
+
+
+def decode_state_bytes(case):
+    return case["B"] * case["Hv"] * case["dk"] * case["dv"] * 4 * 2
+
+
+def decode_steps(B):
+    """Steps per timed chain: enough kernel time per chain to dwarf one dispatch."""
+    if os.environ.get("KERNELS_SMOKE"):
+        return 2
+    return {1: 32, 64: 16, 256: 8}.get(B, 6)
+
+
+def decode_layout(case):
+    """Pool size and the slots of every step of a chain: fresh, distinct slots each step."""
+    import numpy as np
+
+    B = case["B"]
+    n = max(2 * B, MIN_POOL_SLOTS)
+    steps = decode_steps(B)
+    base = np.random.default_rng(B).permutation(n)
+    slots = np.stack([base[(i * B + np.arange(B)) % n] for i in range(steps)]).astype(np.int32) + 1
+    return n + 1, steps, slots  # slot 0 is the null slot
+
+
+def decode_inputs_np(case, seed=0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    B, Hk, Hv, dk, dv = (case[n] for n in ("B", "Hk", "Hv", "dk", "dv"))
+    f32 = lambda *s: rng.standard_normal(size=s, dtype=np.float32)  # noqa: E731
+    g_shape = (B, Hv, dk) if case["kind"] == "kda" else (B, Hv)
+    return dict(q=f32(B, Hk, dk), k=f32(B, Hk, dk), v=f32(B, Hv, dv),
+                g=-rng.uniform(0.0, 1.0, size=g_shape).astype(np.float32),
+                beta=rng.uniform(0.0, 1.0, size=(B, Hv)).astype(np.float32))
+
+
+# ------------------------------------------------------------------------------------------------
+# JAX side
+# ------------------------------------------------------------------------------------------------
+
+
+def _cupti():
+    try:
+        from jax._src.lib import mosaic_gpu as lib
+
+        return lib._mosaic_gpu_ext
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def time_jax_chain(chain: Callable, state, args, steps: int, repeats: int = REPEATS):
+    """Median per-step kernel time (CUPTI) and wall time of ``state, outs = chain(state, *args)``.
+
+    ``chain`` donates ``state``; every call threads the returned state into the next one.
+    """
+    import jax
+    import numpy as np
+
+    for _ in range(2):  # compile + warm up
+        state, outs = chain(state, *args)
+        jax.block_until_ready((state, outs))
+    ext = _cupti()
+    kernel_ms, wall_ms, names = [], [], set()
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        state, outs = chain(state, *args)
+        jax.block_until_ready((state, outs))
+        wall_ms.append((time.perf_counter() - t0) * 1e3 / steps)
+    if ext is not None:
+        try:
+            ext._cupti_init()  # one CUPTI session for all repeats (attaching costs ~a second)
+            try:
+                for _ in range(repeats):
+                    state, outs = chain(state, *args)
+                    jax.block_until_ready((state, outs))
+            finally:
+                timings = ext._cupti_get_timings(True)
+            if timings and len(timings) % repeats == 0:
+                per = len(timings) // repeats
+                for r in range(repeats):
+                    chunk = timings[r * per:(r + 1) * per]
+                    kernel_ms.append(sum(t for _, t in chunk) / steps)
+                    names.update(n for n, _ in chunk)
+            elif timings:
+                kernel_ms.append(sum(t for _, t in timings) / steps / repeats)
+                names.update(n for n, _ in timings)
+        except Exception as e:  # noqa: BLE001
+            print(f"  CUPTI unavailable ({type(e).__name__}: {e}); using wall-clock", flush=True)
+            kernel_ms = []
+    res = dict(wall_ms=float(np.median(wall_ms)))
+    if kernel_ms:
+        res.update(kernel_ms=float(np.median(kernel_ms)), kernel_ms_spread=float(np.ptp(kernel_ms)),
+                   kernels=sorted(names)[:8])
+    return state, res
+
+
+def measure_copy_bandwidth(nbytes=2 << 30 if not os.environ.get("KERNELS_SMOKE") else 1 << 20):
+    """Device-to-device copy bandwidth in TB/s (bytes read + bytes written), as METHOD.md asks."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jax.random.normal(jax.random.key(0), (nbytes // 4,), jnp.float32)
+    steps = 1  # XLA would fuse several passes into one: time single passes
+
+    def chain(x):
+        return x + 1.0, ()  # one elementwise pass: read nbytes, write nbytes
+
+    _, res = time_jax_chain(jax.jit(chain, donate_argnums=(0,)), x, (), steps)
+    t = res.get("kernel_ms", res["wall_ms"])
+    return 2 * nbytes / (t * 1e-3) / 1e12, res
+
+
+# Kernel variants timed (names match benchmarks/gpu_check.py's VARIANTS for the gating below).
+OURS_VARIANTS = {
+    "simple_bdv128": dict(persistent=False, block_dv=128),
+    "persistent_s3_bdv64": dict(persistent=True, stages=3, block_dv=64, blocks_per_sm=2),
+}
+CHECKED_AS = {"simple_bdv128": "simple", "simple_bdv64": "simple", "persistent_s3_bdv64": "persistent"}
+
+
+def checked_variants(out_dir):
+    """Variants the GPU check passed in this run (all when no check ran, e.g. a local smoke run)."""
+    path = os.path.join(out_dir, "gpu_check.jsonl")
+    if not os.path.exists(path):
+        return set(OURS_VARIANTS)
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    ok = {v for v in set(CHECKED_AS.values())
+          if any(r.get("variant") == v for r in rows) and all(r["ok"] for r in rows if r.get("variant") == v)}
+    return {n for n, v in CHECKED_AS.items() if v in ok}
+
+
+def run_decode_jax(case, allowed=None):
+    """Ours (each variant the GPU check passed) and the jnp reference under XLA on one decode case."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels.gdn_decode import gdn_decode_jnp, gdn_decode_pool
+
+    num_slots, steps, slots = decode_layout(case)
+    x = decode_inputs_np(case)
+    dt = dict(q=jnp.bfloat16, k=jnp.bfloat16, v=jnp.bfloat16, g=jnp.float32, beta=jnp.bfloat16)
+    xd = {n: jnp.asarray(a, dt[n]) for n, a in x.items()}
+    slots_d = [jnp.asarray(s) for s in slots]  # one array per step: no slicing kernels in the chain
+    Hv, dk, dv = case["Hv"], case["dk"], case["dv"]
+    out = {}
+
+    def make_chain(step):
+        def chain(pool, x, slots):
+            outs = []
+            for i in range(steps):
+                o, pool = step(x, pool, slots[i])
+                outs.append(o)
+            return pool, outs
+        return jax.jit(chain, donate_argnums=(0,))
+
+    interpret = bool(os.environ.get("KERNELS_SMOKE"))
+    variants = {}
+    for name, kw in OURS_VARIANTS.items():
+        if allowed is not None and name not in allowed:
+            out[f"ours_{name}"] = dict(error="not run: failed or missing in gpu_check")
+            continue
+        if kw["block_dv"] > dv:
+            continue
+        variants[f"ours_{name}"] = (lambda kw: lambda x, p, s: gdn_decode_pool(
+            **x, state_pool=p, slots=s, interpret=interpret, **kw))(kw)
+    variants["jnp"] = lambda x, p, s: gdn_decode_jnp(**x, state_pool=p, slots=s)
+    # One jitted step, called ``steps`` times: JAX lowers (and Mosaic GPU compiles) it once, not once
+    # per step of the chain (which cost ~16 s per variant on the 2026-12-02 run).
+    variants = {n: jax.jit(f) for n, f in variants.items()}
+    for name, step in variants.items():
+        pool = jax.random.normal(jax.random.key(1), (num_slots, Hv, dk, dv), jnp.float32)
+        try:
+            _, res = time_jax_chain(make_chain(step), pool, (xd, slots_d), steps)
+        except Exception as e:  # noqa: BLE001
+            res = dict(error=f"{type(e).__name__}: {str(e)[:600]}")
+        del pool
+        out[name] = res
+        print(f"  {name:14} {json.dumps(res)}", flush=True)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Peer side (fla, torch): runs in a child process
+# ------------------------------------------------------------------------------------------------
+
+
+def time_torch_graph(call, steps, repeats=REPEATS):
+    """Median per-call time of ``call(i)`` for i in range(steps), captured in one CUDA graph."""
+    import numpy as np
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(steps):  # warm-up (Triton JIT / autotune) outside the capture
+            call(i)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(steps):
+                call(i)
+        run, how = graph.replay, "cuda graph"
+    except Exception as e:  # noqa: BLE001  (fall back to eager launches, recorded as such)
+        torch.cuda.synchronize()
+
+        def run():
+            for i in range(steps):
+                call(i)
+        how = f"eager ({type(e).__name__})"
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / steps)
+    return dict(graph_ms=float(np.median(times)), graph_ms_spread=float(np.ptp(times)), timed_as=how)
+
+
+def run_decode_fla(case):
+    import torch
+
+    num_slots, steps, slots = decode_layout(case)
+    x = decode_inputs_np(case)
+    dev = "cuda"
+    dt = dict(q=torch.bfloat16, k=torch.bfloat16, v=torch.bfloat16, g=torch.float32, beta=torch.bfloat16)
+    B, Hk, Hv, dk, dv = (case[n] for n in ("B", "Hk", "Hv", "dk", "dv"))
+    t = {n: torch.from_numpy(a).to(dev, dt[n]) for n, a in x.items()}
+    pool = torch.randn(num_slots, Hv, dk, dv, device=dev, dtype=torch.float32)
+    slots_t = torch.from_numpy(slots).to(dev)
+    scale = dk ** -0.5
+    if case["kind"] == "gdn":
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+        # fla's GDN kernel takes one initial state per sequence, not a pool: give it B contiguous
+        # states (a fresh window of the pool each step) and let it write B new final states.
+        q, k, v = (t[n].unsqueeze(1) for n in ("q", "k", "v"))  # [B, T=1, H, d]
+        g, beta = t["g"].unsqueeze(1), t["beta"].unsqueeze(1)
+        n_windows = (num_slots - 1) // B
+
+        def call(i):
+            w = 1 + (i % n_windows) * B
+            return fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=scale,
+                                                    initial_state=pool[w:w + B],
+                                                    output_final_state=True, use_qk_l2norm_in_kernel=True)
+        peer = "fla fused_recurrent_gated_delta_rule"
+    else:
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+        # fla's KDA decode path (the vLLM kernel): states read from and written back to the pool
+        # in place through ssm_state_indices; the batch is B sequences of one token (cu_seqlens).
+        q, k, v, g = (t[n].unsqueeze(0) for n in ("q", "k", "v", "g"))  # [1, B, H, d]
+        beta = t["beta"].unsqueeze(0)
+        cu = torch.arange(B + 1, device=dev, dtype=torch.long)
+
+        def call(i):
+            return fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool, scale=scale,
+                                           inplace_final_state=True, cu_seqlens=cu,
+                                           ssm_state_indices=slots_t[i], use_qk_l2norm_in_kernel=True)
+        peer = "fla fused_recurrent_kda (pool, in place)"
+    res = time_torch_graph(call, steps)
+    res["peer"] = peer
+    return res
+
+
+def fla_worker(cases_json):
+    """Child process: one JSON line per case on stdout, flushed as soon as it is measured."""
+    cases = json.loads(cases_json)
+    for case in cases:
+        try:
+            res = run_decode_fla(case)
+        except Exception as e:  # noqa: BLE001  (a CUDA fault usually kills the process instead)
+            res = dict(error=f"{type(e).__name__}: {str(e)[:600]}")
+        print("RESULT " + json.dumps(dict(case=case, res=res)), flush=True)
+
+
+def run_peers(cases, budget_s=80):
+    """Run the fla worker over ``cases``; if it dies, record the error and go on after that case."""
+    results, todo = {}, list(cases)
+    deadline = time.monotonic() + budget_s
+    while todo:
+        timeout_s = max(5.0, deadline - time.monotonic())
+        try:
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--fla-worker", json.dumps(todo)],
+                                  capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            proc = subprocess.CompletedProcess(e.cmd, 124, out, f"timed out after {timeout_s} s")
+        for line in proc.stdout.splitlines():
+            if line.startswith("RESULT "):
+                r = json.loads(line[len("RESULT "):])
+                results[case_key(r["case"])] = r["res"]
+                print(f"  peer {case_key(r['case'])}: {json.dumps(r['res'])}", flush=True)
+        done = [c for c in todo if case_key(c) in results]
+        rest = [c for c in todo if case_key(c) not in results]
+        if proc.returncode != 0 and rest:
+            err = (proc.stderr.strip().splitlines() or ["(no stderr)"])[-1][:400]
+            results[case_key(rest[0])] = dict(error=f"worker died (rc {proc.returncode}): {err}")
+            print(f"  peer {case_key(rest[0])}: worker died: {err}", flush=True)
+            rest = rest[1:]
+        elif not done and rest:
+            break
+        todo = rest
+    return results
+
+
+# ------------------------------------------------------------------------------------------------
+# Suites, records, table
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Suite:
+    cases: Callable[[bool], list]
+    run_jax: Callable[..., dict]
+    state_bytes: Callable[[dict], int]
+
+
+SUITES = {"decode": Suite(decode_cases, run_decode_jax, decode_state_bytes)}
+
+
+def make_record(case, jax_res, peer_res, bandwidth_tbps, suite):
+    kernel, shape = case_key(case)
+    ours = {n: r for n, r in jax_res.items() if n.startswith("ours") and "error" not in r}
+    t = lambda r: r.get("kernel_ms", r.get("wall_ms"))  # noqa: E731
+    best = min(ours, key=lambda n: t(ours[n])) if ours else None
+    nbytes = suite.state_bytes(case)
+    roofline_ms = nbytes / (bandwidth_tbps * 1e12) * 1e3
+    rec = dict(kernel=kernel, shape=shape,
+               ours_ms=round(t(ours[best]), 5) if best else None,
+               peer=peer_res.get("peer", "fla"),
+               peer_ms=round(peer_res["graph_ms"], 5) if "graph_ms" in peer_res else None,
+               roofline_ms=round(roofline_ms, 5), date=DATE,
+               ours_variant=best, jnp_ms=round(t(jax_res["jnp"]), 5) if "error" not in jax_res.get("jnp", {"error": 1}) else None,
+               state_bytes=nbytes, copy_bandwidth_tbps=round(bandwidth_tbps, 3),
+               gpu="NVIDIA H200")
+    rec["ours_pct_roofline"] = round(100 * roofline_ms / rec["ours_ms"], 1) if rec["ours_ms"] else None
+    rec["peer_pct_roofline"] = round(100 * roofline_ms / rec["peer_ms"], 1) if rec["peer_ms"] else None
+    rec["jnp_pct_roofline"] = round(100 * roofline_ms / rec["jnp_ms"], 1) if rec["jnp_ms"] else None
+    if "error" in peer_res:
+        rec["peer_error"] = peer_res["error"]
+    rec["detail"] = dict(jax=jax_res, peer=peer_res)
+    return rec
+
+
+def merge_records(path, records):
+    """Replace records with the same (kernel, shape), keep every other kernel's records."""
+    old = []
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+    keys = {(r["kernel"], r["shape"]) for r in records}
+    merged = [r for r in old if (r["kernel"], r["shape"]) not in keys] + records
+    with open(path, "w") as f:
+        json.dump(merged, f, indent=1)
+    return merged
+
+
+def table(records):
+    fmt = lambda x: "—" if x is None else f"{x:.4f}"  # noqa: E731
+    pct = lambda x: "—" if x is None else f"{x:.0f}%"  # noqa: E731
+    lines = ["| date | GPU | kernel | shape | ours ms | peer | peer ms | jnp (XLA) ms | roofline ms "
+             "| ours / roofline | peer / roofline | jnp / roofline | peer ms / ours ms | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        ratio = f"{r['peer_ms'] / r['ours_ms']:.2f}" if r.get("peer_ms") and r.get("ours_ms") else "—"
+        lines.append(f"| {r['date']} | {r.get('gpu', 'H200')} | {r['kernel']} | {r['shape']} | {fmt(r['ours_ms'])} "
+                     f"| {r['peer']} | {fmt(r.get('peer_ms'))} | {fmt(r.get('jnp_ms'))} | {fmt(r['roofline_ms'])} "
+                     f"| {pct(r.get('ours_pct_roofline'))} | {pct(r.get('peer_pct_roofline'))} "
+                     f"| {pct(r.get('jnp_pct_roofline'))} | {ratio} | {r.get('note', '')} |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="decode", help="comma-separated suites: " + ",".join(SUITES))
+    ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(ROOT, "benchmarks", "results")))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--peer-budget", type=float, default=80.0, help="seconds for all fla cases together")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds for the whole run: the peers get what the JAX side leaves (at most --peer-budget)")
+    ap.add_argument("--fla-worker", metavar="CASES_JSON")
+    ap.add_argument("--table", metavar="JSON")
+    args = ap.parse_args()
+    if args.fla_worker:
+        return fla_worker(args.fla_worker)
+    if args.table:
+        with open(args.table) as f:
+            return print(table(json.load(f)))
+
+    t_start = time.monotonic()
+    import jax
+
+    print(jax.devices(), flush=True)
+    bw, bw_res = measure_copy_bandwidth()
+    print(f"copy bandwidth {bw:.3f} TB/s {json.dumps(bw_res)}", flush=True)
+    records = []
+    os.makedirs(args.out, exist_ok=True)
+    out_json = os.path.join(args.out, os.path.basename(RESULTS))
+    for name in args.only.split(","):
+        suite = SUITES[name]
+        cases = suite.cases(args.quick)
+        jax_results = {}
+        allowed = checked_variants(args.out)
+        print(f"variants passed by gpu_check: {sorted(allowed)}", flush=True)
+        for case in cases:
+            print(f"{case_key(case)}", flush=True)
+            jax_results[case_key(case)] = suite.run_jax(case, allowed)
+            merge_records(out_json, [make_record(case, jax_results[case_key(case)], dict(error="not run yet"),
+                                                 bw, suite)])  # partial results survive a timeout
+        budget = args.peer_budget
+        if args.time_budget is not None:
+            budget = min(budget, args.time_budget - (time.monotonic() - t_start) - 8)
+        print(f"peer budget {budget:.0f} s", flush=True)
+        peer_results = {} if args.no_peer or budget < 10 else run_peers(cases, budget)
+        for case in cases:
+            records.append(make_record(case, jax_results[case_key(case)],
+                                       peer_results.get(case_key(case), dict(error="not run")), bw, suite))
+    merged = merge_records(out_json, records)
+    summary = dict(date=DATE, copy_bandwidth_tbps=bw, copy_detail=bw_res,
+                   when=datetime.datetime.now(datetime.timezone.utc).isoformat())
+    with open(os.path.join(args.out, "kernels-run.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print(table(merged))
+
+
+if __name__ == "__main__":
+    main()
