@@ -1,11 +1,12 @@
 """The ``jaxserve`` command line.
 
-    jaxserve generate [--model DIR] (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N]
-                      [--temperature T] [--top-p P] [--top-k K] [--seed S] [--dtype float32|bfloat16]
-                      [--chat] [--ignore-eos] [--json]
+    jaxserve generate [--model DIR] (--prompt TEXT | --prompt-ids 1,2,3 | --prompts-file F) [--max-tokens N]
+                      [--temperature T] [--top-p P] [--top-k K] [--seed S] [--stop S] [--dtype float32|bfloat16]
+                      [--chat] [--ignore-eos] [--json] [engine flags: --page-size, --max-prefill-length, ...]
 
-``--json`` prints one JSON object: output_ids, text, logprobs (the chosen token's logprob at each
-step), finish_reason, prompt_tokens. Every user error (bad folder, bad flag value, prompt too long)
+Prompts run through the full engine (continuous batching, prefix cache). ``--json`` prints one
+JSON object per prompt: output_ids, text, logprobs (the chosen token's logprob at each step),
+finish_reason, prompt_tokens, cached_tokens (prompt tokens served from the prefix cache). Every user error (bad folder, bad flag value, prompt too long)
 goes to stderr as one line and exits with code 2.
 """
 
@@ -34,35 +35,54 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
-def _generate(args: argparse.Namespace) -> dict:
-    import jax.numpy as jnp
+def _read_prompts_file(path: str) -> list:
+    """One prompt per line: plain text, or JSON ``{"prompt": "..."}`` / ``{"prompt_ids": [...]}``."""
+    try:
+        lines = [ln for ln in Path(path).read_text().splitlines() if ln.strip()]
+    except OSError as e:
+        raise UsageError(f"cannot read --prompts-file: {e}") from None
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        if line.lstrip().startswith("{"):
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UsageError(f"{path}:{n}: invalid JSON ({e})") from None
+            if "prompt_ids" in obj:
+                prompts.append([int(t) for t in obj["prompt_ids"]])
+            elif isinstance(obj.get("prompt"), str):
+                prompts.append(obj["prompt"])
+            else:
+                raise UsageError(f"{path}:{n}: expected a \"prompt\" string or \"prompt_ids\" list")
+        else:
+            prompts.append(line)
+    if not prompts:
+        raise UsageError(f"{path}: no prompts")
+    return prompts
 
-    from jaxserve.generate import SamplingParams, generate
-    from jaxserve.tokenizer import Tokenizer
-    from weights import load_model
 
-    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
-    args.model = args.model or str(DEFAULT_MODEL_DIR)
-    model = load_model(args.model, dtype=args.dtype, progress=not args.json)
-    tokenizer = Tokenizer.from_dir(args.model)
+def _generate(args: argparse.Namespace) -> list[dict]:
+    from jaxserve.engine.llm import EngineArgs, build_engine
+    from jaxserve.generate import SamplingParams
+
+    engine = build_engine(EngineArgs(
+        model=args.model or str(DEFAULT_MODEL_DIR), dtype=args.dtype, page_size=args.page_size,
+        max_prefill_length=args.max_prefill_length, max_running_requests=args.max_running_requests,
+        num_pages=args.num_pages, num_slots=args.num_slots, policy=args.policy, progress=not args.json))
     if args.prompt_ids is not None:
-        prompt_ids = _parse_ids(args.prompt_ids)
+        prompts = [_parse_ids(args.prompt_ids)]
+    elif args.prompts_file is not None:
+        prompts = _read_prompts_file(args.prompts_file)
     else:
-        text = args.prompt
-        if args.chat:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        prompt_ids = tokenizer.encode(text)
+        prompts = [args.prompt]
+    if args.chat:
+        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+                   if isinstance(p, str) else p for p in prompts]
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
-    eos = tuple(sorted(set(model.config.eos_token_ids) | set(tokenizer.eos_token_ids)))
-    result = generate(model.params, model.config, prompt_ids, sampling, dtype=dtype, eos_token_ids=eos)
-    return {
-        "output_ids": result.output_ids,
-        "text": tokenizer.decode(result.output_ids),
-        "logprobs": result.logprobs,
-        "finish_reason": result.finish_reason,
-        "prompt_tokens": len(prompt_ids),
-    }
+    outs = engine.generate(prompts, sampling, stop=tuple(args.stop or ()))
+    return [{"output_ids": o.output_ids, "text": o.text, "logprobs": o.logprobs, "finish_reason": o.finish_reason,
+             "prompt_tokens": len(o.prompt_token_ids), "cached_tokens": o.cached_tokens} for o in outs]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,7 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
-    g.add_argument("--chat", action="store_true", help="wrap --prompt as a user message with the chat template")
+    src.add_argument("--prompts-file", help="several prompts, one per line (text or JSON {prompt|prompt_ids}); "
+                                            "they run together through the engine and share its prefix cache")
+    g.add_argument("--chat", action="store_true", help="wrap text prompts as a user message with the chat template")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--max-tokens", type=int, default=16)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -81,7 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
-    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--max-prefill-length", type=int, default=8192, help="tokens per step (chunked prefill)")
+    g.add_argument("--max-running-requests", type=int, default=64)
+    g.add_argument("--num-pages", type=int, help="KV pages (default: from the memory budget)")
+    g.add_argument("--num-slots", type=int, help="linear-state slots (default: from the memory budget)")
+    g.add_argument("--policy", choices=("fcfs", "lpm"), default="fcfs")
     return ap
 
 
@@ -89,10 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":
-            if args.chat and args.prompt is None:
-                raise UsageError("--chat needs --prompt")
-            out = _generate(args)
-            print(json.dumps(out) if args.json else out["text"])
+            for out in _generate(args):
+                print(json.dumps(out) if args.json else out["text"])
             return 0
     except (UsageError, ValueError, FileNotFoundError) as e:
         # ConfigError, CheckpointError and SamplingParams' checks are ValueErrors.

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.conftest import NEW_TOKENS
+from tests.conftest import NEW_TOKENS, PROMPT_LEN
 
 
 def jaxserve(*args: str) -> subprocess.CompletedProcess:
@@ -55,3 +55,18 @@ def test_unknown_model_type_exits_2(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
     proc = jaxserve("generate", "--model", str(tmp_path), "--prompt-ids", "1")
     assert proc.returncode == 2 and "llama" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_prompts_file_runs_through_the_engine_and_reports_cached_tokens(oracle_dir, tmp_path):
+    rec = np.load(oracle_dir / "qwen3_5-dense" / "oracle.npz")
+    ids = rec["prompt"].tolist()
+    lines = [json.dumps({"prompt_ids": ids}), json.dumps({"prompt_ids": ids}), "a plain text prompt"]
+    (tmp_path / "prompts.txt").write_text("\n".join(lines) + "\n")
+    proc = jaxserve("generate", "--model", str(oracle_dir / "qwen3_5-dense"), "--prompts-file", str(tmp_path / "prompts.txt"),
+                    "--max-tokens", str(NEW_TOKENS), "--dtype", "float32", "--ignore-eos", "--json",
+                    "--max-running-requests", "1", "--max-prefill-length", "64")
+    assert proc.returncode == 0, proc.stderr
+    outs = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(outs) == 3
+    assert outs[0]["output_ids"] == outs[1]["output_ids"] == rec["generated"].tolist()
+    assert outs[0]["cached_tokens"] == 0 and outs[1]["cached_tokens"] == (PROMPT_LEN - 1) // 64 * 64

@@ -1,0 +1,123 @@
+"""The whole engine on tiny checkpoints of every family: scheduler + radix cache + pooled runner.
+
+"Hit equals cold" (DESIGN.md invariant 6) end to end: the same prompt served cold and then from
+the prefix cache — hits at several depths, one boundary short of the prompt end, after a finished
+multi-turn answer — gives the greedy tokens of the straight-line ``jaxserve.generate`` path (itself
+checked against transformers), while other requests decode in the same batches and some streams
+are aborted midway. The invariant check runs after every step and the pools drain to free.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from jaxserve.engine.llm import LLM
+from jaxserve.generate import SamplingParams, generate
+
+FAMILIES = ["qwen3_5-dense", "qwen3_5_moe-moe", "qwen3_next-moe", "qwen3-base"]
+VOCAB = 500  # the tiny checkpoints' vocab is 512; stay below the special tokens
+
+
+def greedy(n):
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def make_llm(folder, **kw):
+    args = dict(dtype="float32", page_size=16, max_prefill_length=64, max_running_requests=4, num_pages=96,
+                num_slots=24, debug_snapshot_checksums=True, progress=False)
+    return LLM(str(folder), **{**args, **kw})
+
+
+def cold(llm, prompt, n):
+    eng = llm.engine
+    ex = eng.executor
+    return generate(ex.params, ex.cfg, prompt, greedy(n)).output_ids
+
+
+def drive(engine, abort_at=None, max_steps=2000):
+    """Step until idle, checking invariants after every step; abort ``abort_at[step]`` ids midway.
+    Returns the final output of every request that finished."""
+    outs = {}
+    for i in range(max_steps):
+        if not engine.has_work():
+            return outs
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+        engine.check_invariants()
+        for rid in (abort_at or {}).get(i, ()):
+            assert engine.abort(rid)
+    raise AssertionError("engine did not drain")
+
+
+def assert_pools_free(engine):
+    s = engine.scheduler
+    s.cache.flush()
+    engine.check_invariants()
+    assert s.pages.num_free == s.pages.capacity
+    if s.slots is not None:
+        assert s.slots.num_free == s.slots.capacity
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def llm(request, oracle_dir):
+    return make_llm(oracle_dir / request.param)
+
+
+def test_hits_equal_cold_with_concurrent_decodes_and_aborts(llm):
+    rng = random.Random(0)
+    engine = llm.engine
+    base = [rng.randrange(VOCAB) for _ in range(192)]
+    # Hits at several depths; p129 and p192 end one token / one boundary past their hit.
+    prompts = {"p150": base[:150], "p129": base[:129], "p192": base[:192], "p70": base[:70]}
+    expected = {k: cold(llm, p, 6) for k, p in prompts.items()}
+    neighbour_prompt = [rng.randrange(VOCAB) for _ in range(40)]
+
+    # Cold: the longest prompt, beside a decoding neighbour and a stream aborted midway.
+    first = engine.add_request(prompts["p150"], greedy(6))
+    neighbour = engine.add_request(neighbour_prompt, greedy(30))
+    doomed = engine.add_request(base[:100] + [1, 2, 3], greedy(30))
+    outs = drive(engine, abort_at={3: [doomed]})
+    assert outs[first].output_ids == expected["p150"] and outs[first].cached_tokens == 0
+    assert outs[neighbour].output_ids == cold(llm, neighbour_prompt, 30)
+    assert doomed not in outs
+
+    # Hits, all in flight together with a new decoding neighbour and another aborted stream.
+    rids = {k: engine.add_request(p, greedy(6)) for k, p in prompts.items()}
+    neighbour = engine.add_request(neighbour_prompt + [7], greedy(20))
+    doomed = engine.add_request(base[:140] + [9], greedy(30))
+    outs = drive(engine, abort_at={2: [doomed]})
+    unit = 64 if engine.scheduler.hybrid else 16
+    for k, rid in rids.items():
+        assert outs[rid].output_ids == expected[k], f"{k}: hit {outs[rid].output_ids} != cold {expected[k]}"
+        # The cold pass cached base[:150]: a hit is the last usable unit of both (the last token is recomputed).
+        assert outs[rid].cached_tokens == min((len(prompts[k]) - 1) // unit, 150 // unit) * unit, k
+    assert outs[neighbour].output_ids == cold(llm, neighbour_prompt + [7], 20)
+    assert engine.snapshot_checksum_mismatches == 0
+    assert_pools_free(engine)
+
+
+def test_multi_turn_follow_up_hits_and_equals_cold(llm):
+    rng = random.Random(1)
+    engine = llm.engine
+    turn1 = [rng.randrange(VOCAB) for _ in range(90)]
+    ans = engine.generate([turn1], greedy(45))[0]
+    turn2 = turn1 + ans.output_ids + [rng.randrange(VOCAB) for _ in range(20)]
+    out = engine.generate([turn2], greedy(5))[0]
+    assert out.output_ids == cold(llm, turn2, 5)
+    assert out.cached_tokens == 128  # 90 + 45 = 135 tokens computed: the last ×64 boundary (and page) is 128
+    assert engine.snapshot_checksum_mismatches == 0
+    assert_pools_free(engine)
+
+
+@pytest.mark.parametrize("max_prefill", [16, 32])
+def test_chunked_prefill_lengths_give_one_prefill_tokens(oracle_dir, max_prefill):
+    llm = make_llm(oracle_dir / "qwen3_5-dense", max_prefill_length=max_prefill)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (100, 37, 64)]
+    outs = llm.generate(prompts, greedy(5))
+    for p, o in zip(prompts, outs):
+        assert o.output_ids == cold(llm, p, 5)
+    assert_pools_free(llm.engine)
