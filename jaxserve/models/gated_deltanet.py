@@ -35,8 +35,12 @@ def state_shapes(cfg: ModelConfig, num_layers: int, num_slots: int) -> tuple[tup
 
 def _initial(pool: jax.Array, layer: int, r: Ragged) -> jax.Array:
     """Per-row starting state in fp32: zeros for a fresh sequence (``context_len == 0``: a reused
-    slot still holds its previous owner's state), else the read slot."""
-    init = pool[layer, r.read_slot].astype(jnp.float32)
+    slot still holds its previous owner's state), else the read slot.
+
+    The gather is materialised behind an optimization barrier: were it fused into a consumer that
+    runs after ``_store``'s first scatter (the decode snapshots read ``init``), XLA could not update
+    the donated pool in place and would copy the whole pool every layer of every step."""
+    init = jax.lax.optimization_barrier(pool[layer, r.read_slot]).astype(jnp.float32)
     fresh = (r.context_len == 0).reshape(-1, *([1] * (init.ndim - 1)))
     return jnp.where(fresh, 0.0, init)
 

@@ -168,7 +168,7 @@ def paged_attention(q, k, v, k_pool, v_pool, layer: int, r: Ragged, window: int 
     neg = jnp.float32(-1e30)  # finite: a fully masked block must not make exp(-inf - -inf) = nan
 
     def block(j, carry):
-        m, l, acc = carry
+        m, l, acc, k_pool, v_pool = carry
         ids = lax.dynamic_slice_in_dim(pages, j * block_pages, block_pages, axis=1)  # [T, bp]
         kb = k_pool[layer, ids].reshape(T, KEY_BLOCK, nkv, hd)
         vb = v_pool[layer, ids].reshape(T, KEY_BLOCK, nkv, hd)
@@ -184,11 +184,14 @@ def paged_attention(q, k, v, k_pool, v_pool, layer: int, r: Ragged, window: int 
         scale = jnp.exp(m - m_new)
         l = l * scale + jnp.sum(p, axis=-1)
         pv = jnp.einsum("tkgl,tlkd->tkgd", p.astype(q.dtype), vb, preferred_element_type=jnp.float32)
-        return m_new, l, acc * scale[..., None] + pv
+        return m_new, l, acc * scale[..., None] + pv, k_pool, v_pool
 
+    # The pools ride in the loop carry, unchanged, and the loop's outputs are used afterwards: a
+    # pool merely closed over would stay live beside the loop's own copy, and XLA would copy the
+    # whole pool (every layer's KV) per layer per step.
     init = (jnp.full((T, nkv, groups), neg), jnp.zeros((T, nkv, groups), jnp.float32),
-            jnp.zeros((T, nkv, groups, hd), jnp.float32))
-    _, l, acc = lax.fori_loop(0, n_blocks, block, init)
+            jnp.zeros((T, nkv, groups, hd), jnp.float32), k_pool, v_pool)
+    _, l, acc, k_pool, v_pool = lax.fori_loop(0, n_blocks, block, init)
     out = (acc / l[..., None]).astype(q.dtype).reshape(T, nh * hd)
     return out, k_pool, v_pool
 
