@@ -43,15 +43,19 @@ MID_QWEN3_5 = {
 NEAR_TIE_NATS = 0.1  # bf16 logits of a random model carry ~0.05 nats of shape-dependent rounding noise
 
 
-def compare(cold_ids, cold_lp, hit_ids, hit_lp) -> str:
+def compare(cold_ids, cold_lp, hit_ids, hit_lp) -> tuple[str, dict]:
     """``exact``; ``near-tie``: the first differing token is a near-tie (the logprobs agree up to it
     within NEAR_TIE_NATS and the two chosen tokens were within it of each other) — rounding, not
     corruption; or ``mismatch``: the distributions differ before or at the divergence — a corrupt hit."""
+    drift_all = max(abs(a - b) for a, b in zip(cold_lp, hit_lp))
     if cold_ids == hit_ids:
-        return "exact"
+        return "exact", {"max_logprob_drift": drift_all}
     j = next(k for k, (a, b) in enumerate(zip(cold_ids, hit_ids)) if a != b)
     drift = max((abs(a - b) for a, b in zip(cold_lp[:j], hit_lp[:j])), default=0.0)
-    return "near-tie" if drift <= NEAR_TIE_NATS and abs(cold_lp[j] - hit_lp[j]) <= NEAR_TIE_NATS else "mismatch"
+    detail = {"first_divergence": j, "drift_before": drift, "cold_lp": cold_lp[j], "hit_lp": hit_lp[j],
+              "cold_lps": cold_lp[: j + 1], "hit_lps": hit_lp[: j + 1]}
+    near = drift <= NEAR_TIE_NATS and abs(cold_lp[j] - hit_lp[j]) <= NEAR_TIE_NATS
+    return ("near-tie" if near else "mismatch"), detail
 
 
 def main() -> None:
@@ -126,8 +130,8 @@ def main() -> None:
         out = outs[target]
         prompt_tokens += len(bases[i])
         cached_tokens += out.cached_tokens
-        verdict = compare(*cold_answers[i], out.output_ids, out.logprobs)
-        entry = {"round": rnd, "prompt": i, "cached_tokens": out.cached_tokens, "verdict": verdict,
+        verdict, detail = compare(*cold_answers[i], out.output_ids, out.logprobs)
+        entry = {"round": rnd, "prompt": i, "cached_tokens": out.cached_tokens, "verdict": verdict, **detail,
                  "seconds": time.perf_counter() - t0, "saturating_done": sum(r in outs for r in saturating),
                  "aborted": sum(r not in outs for r in abandoned)}
         record["hits"] += int(out.cached_tokens > 0)
