@@ -28,30 +28,31 @@ _find_python() {  # $1 = minor version, e.g. 3.12
 
 _stamp() { cat "$JAXSERVE_ROOT/scripts/env.sh" "$JAXSERVE_ROOT/pyproject.toml" | sha256sum | cut -c1-16; }
 
-ensure_engine_env() {
-  local venv="$JAXSERVE_ROOT/.venv" stamp
+# _ensure_env NAME PYTHON_MINOR INSTALL_FUNCTION: (re)build $JAXSERVE_ROOT/NAME when its recipe changed.
+_ensure_env() {
+  local venv="$JAXSERVE_ROOT/$1" stamp py
   stamp=$(_stamp)
   if [ -f "$venv/.jaxserve-stamp" ] && [ "$(cat "$venv/.jaxserve-stamp")" = "$stamp" ]; then return 0; fi
-  echo "jaxserve: building the engine environment (.venv, Python 3.12, jax 0.11.2) ..." >&2
-  local py; py=$(_find_python 3.12)
+  py=$(_find_python "$2")
+  echo "jaxserve: building $1 (Python $2) ..." >&2
   "$py" -m venv "$venv"
-  "$venv/bin/pip" install -q --disable-pip-version-check -e "$JAXSERVE_ROOT[test,server]"
+  "$3" "$venv/bin/pip"
   echo "$stamp" > "$venv/.jaxserve-stamp"
 }
 
-ensure_torch_env() {
-  local venv="$JAXSERVE_ROOT/.venv-torch" stamp
-  stamp=$(_stamp)
-  if [ -f "$venv/.jaxserve-stamp" ] && [ "$(cat "$venv/.jaxserve-stamp")" = "$stamp" ]; then return 0; fi
-  echo "jaxserve: building the torch reference environment (.venv-torch, Python 3.11, torch 2.13 CPU) ..." >&2
-  local py; py=$(_find_python 3.11)
-  "$py" -m venv "$venv"
-  "$venv/bin/pip" install -q --disable-pip-version-check "${TORCH_PINS[@]}"
-  "$venv/bin/pip" install -q --disable-pip-version-check "${TORCH_PINS[@]}" "${REFERENCE_PINS[@]}"
-  "$venv/bin/pip" install -q --disable-pip-version-check --no-deps "${FLA_PINS[@]}"
-  if "$venv/bin/python" -c "import triton" 2>/dev/null; then
+_install_engine() {
+  "$1" install -q --disable-pip-version-check -e "$JAXSERVE_ROOT[test,server]"
+}
+
+_install_torch_reference() {
+  "$1" install -q --disable-pip-version-check "${TORCH_PINS[@]}"
+  "$1" install -q --disable-pip-version-check "${TORCH_PINS[@]}" "${REFERENCE_PINS[@]}"
+  "$1" install -q --disable-pip-version-check --no-deps "${FLA_PINS[@]}"
+  if "$(dirname "$1")/python" -c "import triton" 2>/dev/null; then
     echo "jaxserve: triton is installed in .venv-torch; remove it (transformers would pick GPU kernels)" >&2
     return 1
   fi
-  echo "$stamp" > "$venv/.jaxserve-stamp"
 }
+
+ensure_engine_env() { _ensure_env .venv 3.12 _install_engine; }
+ensure_torch_env() { _ensure_env .venv-torch 3.11 _install_torch_reference; }

@@ -15,6 +15,7 @@ import pytest
 
 from jaxserve.engine.llm import LLM
 from jaxserve.generate import SamplingParams, generate
+from tests.engine.checks import assert_pools_free_after_flush, drive
 
 FAMILIES = ["qwen3_5-dense", "qwen3_5_moe-moe", "qwen3_next-moe", "qwen3-base"]
 VOCAB = 500  # the tiny checkpoints' vocab is 512; stay below the special tokens
@@ -34,31 +35,6 @@ def cold(llm, prompt, n):
     eng = llm.engine
     ex = eng.executor
     return generate(ex.params, ex.cfg, prompt, greedy(n)).output_ids
-
-
-def drive(engine, abort_at=None, max_steps=2000):
-    """Step until idle, checking invariants after every step; abort ``abort_at[step]`` ids midway.
-    Returns the final output of every request that finished."""
-    outs = {}
-    for i in range(max_steps):
-        if not engine.has_work():
-            return outs
-        for o in engine.step():
-            if o.finished:
-                outs[o.request_id] = o
-        engine.check_invariants()
-        for rid in (abort_at or {}).get(i, ()):
-            assert engine.abort(rid)
-    raise AssertionError("engine did not drain")
-
-
-def assert_pools_free(engine):
-    s = engine.scheduler
-    s.cache.flush()
-    engine.check_invariants()
-    assert s.pages.num_free == s.pages.capacity
-    if s.slots is not None:
-        assert s.slots.num_free == s.slots.capacity
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -96,7 +72,7 @@ def test_hits_equal_cold_with_concurrent_decodes_and_aborts(llm):
         assert outs[rid].cached_tokens == min((len(prompts[k]) - 1) // unit, 150 // unit) * unit, k
     assert outs[neighbour].output_ids == cold(llm, neighbour_prompt + [7], 20)
     assert engine.snapshot_checksum_mismatches == 0
-    assert_pools_free(engine)
+    assert_pools_free_after_flush(engine)
 
 
 def test_multi_turn_follow_up_hits_and_equals_cold(llm):
@@ -109,7 +85,7 @@ def test_multi_turn_follow_up_hits_and_equals_cold(llm):
     assert out.output_ids == cold(llm, turn2, 5)
     assert out.cached_tokens == 128  # 90 + 45 = 135 tokens computed: the last ×64 boundary (and page) is 128
     assert engine.snapshot_checksum_mismatches == 0
-    assert_pools_free(engine)
+    assert_pools_free_after_flush(engine)
 
 
 @pytest.mark.parametrize("max_prefill", [16, 32])
@@ -120,4 +96,19 @@ def test_chunked_prefill_lengths_give_one_prefill_tokens(oracle_dir, max_prefill
     outs = llm.generate(prompts, greedy(5))
     for p, o in zip(prompts, outs):
         assert o.output_ids == cold(llm, p, 5)
-    assert_pools_free(llm.engine)
+    assert_pools_free_after_flush(llm.engine)
+
+
+def test_sampling_is_seeded_per_request_and_top_k_1_is_greedy(llm):
+    rng = random.Random(3)
+    engine = llm.engine
+    p = [rng.randrange(VOCAB) for _ in range(30)]
+    hot = lambda seed, **kw: SamplingParams(max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True, **kw)  # noqa: E731
+    # Batched together with each other and a greedy request: seeds decide, not batch composition.
+    a, b, c, g, k1 = engine.generate([p, p, p, p, p], [hot(1), hot(1), hot(2), greedy(12), hot(5, top_k=1)])
+    assert a.output_ids == b.output_ids
+    assert a.output_ids != c.output_ids
+    assert k1.output_ids == g.output_ids == cold(llm, p, 12)
+    alone = engine.generate([p], hot(1))[0]
+    assert alone.output_ids == a.output_ids
+    assert_pools_free_after_flush(engine)

@@ -21,6 +21,7 @@ from jaxserve.engine.engine import Engine
 from jaxserve.engine.policy import make_policy
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.generate import SamplingParams
+from tests.engine.checks import assert_pools_free_after_flush
 from tests.engine.fake_device import FakeExecutor, reference_continuation
 
 VOCAB = 1000
@@ -35,24 +36,6 @@ def make_engine(*, hybrid=True, num_pages=128, num_slots=24, page_size=16, max_p
                       max_running=max_running, max_pages_per_seq=max_pages_per_seq, policy=make_policy(policy))
     ex = FakeExecutor(num_pages, num_slots, page_size, VOCAB, hybrid)
     return Engine(sched, ex, vocab_size=VOCAB, debug_snapshot_checksums=True)
-
-
-def run_checked(engine: Engine, max_steps: int = 10_000) -> None:
-    for _ in range(max_steps):
-        if not engine.has_work():
-            return
-        engine.step()
-        engine.check_invariants()
-    raise AssertionError("engine did not drain")
-
-
-def assert_pools_free_after_flush(engine: Engine) -> None:
-    s = engine.scheduler
-    s.cache.flush()
-    engine.check_invariants()
-    assert s.pages.num_free == s.pages.capacity
-    if s.slots is not None:
-        assert s.slots.num_free == s.slots.capacity
 
 
 def prompt(rng: random.Random, n: int) -> list[int]:
