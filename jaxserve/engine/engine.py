@@ -109,6 +109,9 @@ class Engine:
         """Run one step. Returns an output for every request that got a token or finished."""
         plan = self.scheduler.schedule()
         if plan is None:
+            if self.scheduler.waiting and not self.scheduler.running:
+                # add() admits only requests that fit an idle engine; failing here is a bug, not load.
+                raise RuntimeError(f"scheduler could not admit {self.scheduler.waiting[0].rid} into an idle engine")
             return []
         tokens, logprobs = self.executor.execute(plan)
         self.scheduler.commit(plan, tokens, logprobs)

@@ -41,6 +41,7 @@ class EngineArgs:
     num_pages: int | None = None
     num_slots: int | None = None
     snapshot_fraction: float = 0.25
+    max_snapshots_per_path: int | None = None  # bound the tree's snapshots on any root..leaf path
     policy: str = "fcfs"
     debug_snapshot_checksums: bool = False
     progress: bool = True
@@ -71,7 +72,8 @@ def build_engine(args: EngineArgs) -> Engine:
                                  max_model_len=max_len, page_size=args.page_size)
     pages = PageAllocator(plan.num_pages)
     slots = SlotAllocator(plan.num_slots) if cfg.is_hybrid else None
-    cache = HybridRadixCache(pages, slots, args.page_size, hybrid=cfg.is_hybrid)
+    cache = HybridRadixCache(pages, slots, args.page_size, hybrid=cfg.is_hybrid,
+                             max_snapshots_per_path=args.max_snapshots_per_path)
     eos = tuple(sorted(set(cfg.eos_token_ids) | set(tokenizer.eos_token_ids)))
     scheduler = Scheduler(pages=pages, slots=slots, cache=cache, page_size=args.page_size,
                           max_prefill_tokens=args.max_prefill_length, max_running=args.max_running_requests,
