@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -17,7 +16,6 @@ from safetensors.numpy import save_file
 
 from jaxserve.config import ConfigError, ModelConfig
 from jaxserve.models.params import build_params, hf_shapes
-from tests.reference.bridge import run_torch
 from weights import CheckpointError, LoadedModel, load_model
 from weights.loader import load_tensors
 
@@ -333,15 +331,9 @@ TRANSFORMERS_CHECKPOINTS = [("qwen3", "untied"), ("qwen3_5", "vl"), ("qwen3_5_mo
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hf_tiny")
-
-    def write(fv):
-        run_torch("weights.tiny", "--family", fv[0], "--variant", fv[1], "--out", str(out / f"{fv[0]}-{fv[1]}"))
-
-    with ThreadPoolExecutor(max_workers=len(TRANSFORMERS_CHECKPOINTS)) as pool:
-        list(pool.map(write, TRANSFORMERS_CHECKPOINTS))
-    return out
+def hf_dir(oracle_dir):
+    """The session's transformers-written checkpoints (tests/conftest.py writes every variant once)."""
+    return oracle_dir
 
 
 def _stored_tensors(folder: Path) -> dict[str, np.ndarray]:
