@@ -1,12 +1,18 @@
 """The ``jaxserve`` command line.
 
+    jaxserve serve [--model DIR] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--served-model-name NAME]
+                   [engine flags: --dtype, --page-size, --max-prefill-length, --max-running-requests, ...]
     jaxserve generate [--model DIR] (--prompt TEXT | --prompt-ids 1,2,3 | --prompts-file F) [--max-tokens N]
                       [--temperature T] [--top-p P] [--top-k K] [--seed S] [--stop S] [--dtype float32|bfloat16]
                       [--chat] [--ignore-eos] [--json] [engine flags: --page-size, --max-prefill-length, ...]
 
 Prompts run through the full engine (continuous batching, prefix cache). ``--json`` prints one
 JSON object per prompt: output_ids, text, logprobs (the chosen token's logprob at each step),
-finish_reason, prompt_tokens, cached_tokens (prompt tokens served from the prefix cache). Every user error (bad folder, bad flag value, prompt too long)
+finish_reason, prompt_tokens, cached_tokens (prompt tokens served from the prefix cache).
+
+``serve`` starts the OpenAI-compatible HTTP server (server/): it prints its config, loads the
+checkpoint, compiles the first step with a warm-up request, and only then opens the port, so a
+200 from ``/health`` means requests are served without a compile stall on the first one. Every user error (bad folder, bad flag value, prompt too long)
 goes to stderr as one line and exits with code 2.
 """
 
@@ -85,9 +91,86 @@ def _generate(args: argparse.Namespace) -> list[dict]:
              "prompt_tokens": len(o.prompt_token_ids), "cached_tokens": o.cached_tokens} for o in outs]
 
 
+def _engine_args(args: argparse.Namespace, progress: bool):
+    from jaxserve.engine.llm import EngineArgs
+
+    return EngineArgs(
+        model=args.model or str(DEFAULT_MODEL_DIR), dtype=args.dtype, page_size=args.page_size,
+        max_prefill_length=args.max_prefill_length, max_running_requests=args.max_running_requests,
+        num_pages=args.num_pages, num_slots=args.num_slots, policy=args.policy, progress=progress,
+        **({"max_model_len": args.max_model_len, "debug_snapshot_checksums": args.debug_snapshot_checksums}
+           if args.command == "serve" else {}))
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import time
+
+    from jaxserve.engine.llm import build_engine
+    from jaxserve.generate import SamplingParams
+
+    try:
+        import uvicorn
+
+        from server.app import create_app
+        from server.async_engine import AsyncEngine
+    except ImportError as e:
+        raise UsageError(f"the server needs the 'server' extra (pip install -e '.[server]'): {e}") from None
+    if not 0 < args.port < 65536:
+        raise UsageError(f"--port must be in 1..65535, got {args.port}")
+    eargs = _engine_args(args, progress=True)
+    name = args.served_model_name or (args.model if args.model else "jaxserve-default")
+    log = lambda msg: print(f"jaxserve: {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    log("serve config: " + ", ".join(f"{k}={v}" for k, v in [
+        ("model", eargs.model), ("served_model_name", name), ("host", args.host), ("port", args.port),
+        ("api_key", "set" if args.api_key else "none"), ("dtype", eargs.dtype), ("page_size", eargs.page_size),
+        ("max_prefill_length", eargs.max_prefill_length), ("max_running_requests", eargs.max_running_requests),
+        ("max_model_len", eargs.max_model_len), ("num_pages", eargs.num_pages), ("num_slots", eargs.num_slots),
+        ("policy", eargs.policy), ("debug_snapshot_checksums", eargs.debug_snapshot_checksums)]))
+    t0 = time.perf_counter()
+    log(f"loading {eargs.model} ...")
+    engine = build_engine(eargs)
+    log(f"loaded in {time.perf_counter() - t0:.1f}s; compiling the first prefill and decode steps (warm-up request) ...")
+    t1 = time.perf_counter()
+    warm = engine.tokenizer.encode("Hello") or [0]
+    engine.generate([warm], SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.scheduler.cache.flush()  # the warm-up leaves nothing behind
+    engine.check_invariants()
+    log(f"compiled in {time.perf_counter() - t1:.1f}s; starting the HTTP server on http://{args.host}:{args.port}")
+    async_engine = AsyncEngine(engine).start()
+    app = create_app(async_engine, served_model_name=name, api_key=args.api_key)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30)
+    finally:
+        async_engine.stop()
+    return 0
+
+
+def _add_engine_flags(p: argparse.ArgumentParser, dtype_default: str) -> None:
+    p.add_argument("--model", default=None, help="Hugging Face checkpoint folder (default: the model shipped in weights/default)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=dtype_default)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-prefill-length", type=int, default=8192, help="tokens per step (chunked prefill)")
+    p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--num-pages", type=int, help="KV pages (default: from the memory budget)")
+    p.add_argument("--num-slots", type=int, help="linear-state slots (default: from the memory budget)")
+    p.add_argument("--policy", choices=("fcfs", "lpm"), default="fcfs")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="jaxserve", description="JAX/Pallas serving engine for hybrid linear-attention LLMs")
     sub = ap.add_subparsers(dest="command", required=True)
+    sv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...)")
+    _add_engine_flags(sv, "bfloat16")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* routes")
+    sv.add_argument("--served-model-name", default=None,
+                    help="the model name clients send (default: the --model argument, or 'jaxserve-default')")
+    sv.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    sv.add_argument("--debug-snapshot-checksums", action="store_true",
+                    help="checksum every prefix-cache snapshot on donation and before each hit (metric: "
+                         "jaxserve_snapshot_checksum_mismatches)")
+    sv.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     g = sub.add_parser("generate", help="generate a completion offline for one prompt")
     g.add_argument("--model", default=None, help="Hugging Face checkpoint folder (default: the model shipped in weights/default)")
     src = g.add_mutually_exclusive_group(required=True)
@@ -117,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "serve":
+            return _serve(args)
         if args.command == "generate":
             for out in _generate(args):
                 print(json.dumps(out) if args.json else out["text"])
