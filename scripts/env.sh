@@ -41,7 +41,7 @@ _ensure_env() {
 }
 
 _install_engine() {
-  "$1" install -q --disable-pip-version-check -e "$JAXSERVE_ROOT[test,server]"
+  "$1" install -q --disable-pip-version-check -e "$JAXSERVE_ROOT[test,server,train]"
 }
 
 _install_torch_reference() {

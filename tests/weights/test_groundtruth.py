@@ -1,0 +1,265 @@
+"""weights.groundtruth: task generators and encoding, the tokenizer, and a smoke training run
+(loss goes down, orbax checkpoint + resume, exact export that weights.load_model loads)."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxserve.config import ModelConfig
+from jaxserve.models import decoder
+from jaxserve.models.params import build_params, hf_shapes
+from jaxserve.tokenizer import Tokenizer
+from weights import load_model
+from weights.groundtruth import tasks, train
+from weights.groundtruth import tokenizer as gt_tokenizer
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "weights" / "default" / "config.json"
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> Tokenizer:
+    return Tokenizer.from_dir(gt_tokenizer.save(tmp_path_factory.mktemp("gt_tok")))
+
+
+def _count(tok):
+    return lambda s: len(tok.encode(s))
+
+
+# ---------------------------------------------------------------------------------------------
+# Tasks.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_arithmetic_exact_form_and_answer():
+    rng = random.Random(0)
+    ops = set()
+    for _ in range(500):
+        msgs = tasks.arithmetic(rng)
+        m = re.fullmatch(r"What is (\d+) ([+-]) (\d+)\?", msgs[0]["content"])
+        assert m and msgs[0]["role"] == "user" and msgs[1]["role"] == "assistant"
+        a, op, b = int(m[1]), m[2], int(m[3])
+        assert 0 <= a <= 9999 and 0 <= b <= 9999 and str(a) == m[1] and str(b) == m[3]
+        assert msgs[1]["content"] == str(a + b if op == "+" else a - b) == tasks.answer_of(msgs)
+        ops.add(op)
+    assert ops == {"+", "-"}
+
+
+def test_needle_exact_form_and_length(tok):
+    rng = random.Random(1)
+    for target in (1000, 2500, 4000):
+        msgs = tasks.needle(rng, target, _count(tok))
+        context, question = msgs[0]["content"].split("\n\n")
+        lines = context.split("\n")
+        codes = {}
+        for line in lines:
+            m = re.fullmatch(r"The code for ([A-Z][a-z]+) is (\d{6})\.", line)
+            assert m, line
+            assert m[1] not in codes
+            codes[m[1]] = m[2]
+        q = re.fullmatch(r"What is the code for ([A-Z][a-z]+)\?", question)
+        assert q and msgs[1]["content"] == codes[q[1]] == tasks.answer_of(msgs)
+        n = len(tok.encode(context))
+        assert target <= n <= target + 40, (target, n)
+
+
+def test_recall_exact_form():
+    rng = random.Random(2)
+    for _ in range(200):
+        msgs = tasks.recall(rng)
+        m = re.fullmatch(r"Remember: my ([a-z ]+) is (\S+)\.", msgs[0]["content"])
+        assert m and msgs[1] == {"role": "assistant", "content": "OK."}
+        assert msgs[-2]["content"] == f"What is my {m[1]}?" and msgs[-1]["content"] == m[2] == tasks.answer_of(msgs)
+        middle = msgs[2:-2]
+        assert len(middle) >= 2 and [x["role"] for x in middle] == ["user", "assistant"] * (len(middle) // 2)
+        for u, a in zip(middle[::2], middle[1::2]):
+            if u["content"].startswith("What is "):
+                assert a["content"] == tasks.answer_of([u, a])
+            else:
+                assert (u["content"], a["content"]) in tasks.SMALL_TALK
+
+
+def test_deterministic_per_seed_and_probes_held_out(tok):
+    a = [tasks.example(k, random.Random(7), (50, 80)) for k in tasks.KINDS]
+    b = [tasks.example(k, random.Random(7), (50, 80)) for k in tasks.KINDS]
+    c = [tasks.example(k, random.Random(8), (50, 80)) for k in tasks.KINDS]
+    assert a == b and a != c
+    p1 = tasks.probes(5, needle_tokens=(100, 200), count_tokens=_count(tok))
+    p2 = tasks.probes(5, needle_tokens=(100, 200), count_tokens=_count(tok))
+    assert p1 == p2 and len(p1) == 15 and {p.kind for p in p1} == set(tasks.KINDS)
+    for p in p1:
+        assert p.messages[-1]["role"] == "user" and p.answer == tasks.answer_of(p.messages + [{"role": "assistant", "content": p.answer}])
+    train_q = {m[0]["content"] for m in (tasks.arithmetic(random.Random(tasks.TRAIN_SEED * 1_000_003 + s)) for s in range(50))}
+    assert not train_q & {p.messages[0]["content"] for p in p1 if p.kind == "arithmetic"}
+
+
+def test_score():
+    assert tasks.score("-512", "-512") and tasks.score("-512", " -512\n")
+    assert not tasks.score("-512", "-5120") and not tasks.score("123456", "12345") and not tasks.score("OK.", "ok.")
+
+
+def test_encode_mask_covers_exactly_assistant_answers(tok):
+    rng = random.Random(3)
+    end = tok.token_to_id("<|im_end|>")
+    for kind in tasks.KINDS * 5:
+        msgs = tasks.example(kind, rng, (60, 200), _count(tok))
+        ids, mask = tasks.encode(tok, msgs)
+        assert ids.tolist() == tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=False))
+        # masked runs, in order, are exactly each assistant content followed by <|im_end|>
+        runs, cur = [], []
+        for i, m in zip(ids.tolist(), mask.tolist()):
+            if m:
+                cur.append(i)
+            elif cur:
+                runs.append(cur)
+                cur = []
+        if cur:
+            runs.append(cur)
+        answers = [m["content"] for m in msgs if m["role"] == "assistant"]
+        assert len(runs) == len(answers)
+        for run, ans in zip(runs, answers):
+            assert run[-1] == end and tok.decode(run[:-1], skip_special_tokens=False) == ans
+        assert int(mask.sum()) == sum(len(tok.encode(a)) + 1 for a in answers)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_tokenizer_specials_template_and_round_trip(tok, tmp_path):
+    v = tok.vocab_size
+    assert v == gt_tokenizer.DEFAULT_VOCAB
+    for i, s in enumerate(gt_tokenizer.SPECIAL_TOKENS):
+        assert tok.token_to_id(s) == v - 3 + i and tok.encode(s) == [v - 3 + i]
+    assert tok.eos_token_ids == {tok.token_to_id("<|im_end|>")}
+    msgs = [{"role": "user", "content": "What is 1 + 2?"}, {"role": "assistant", "content": "3"}]
+    assert tok.apply_chat_template(msgs[:1]) == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n<|im_start|>assistant\n")
+    rendered = tok.apply_chat_template(msgs, add_generation_prompt=False)
+    assert rendered.endswith("<|im_start|>assistant\n3<|im_end|>\n")
+    ids = tok.encode(rendered)
+    assert ids.count(tok.token_to_id("<|im_start|>")) == 3 and ids.count(tok.token_to_id("<|im_end|>")) == 3
+    assert tok.decode(ids, skip_special_tokens=False) == rendered
+    rng = random.Random(4)
+    for kind in tasks.KINDS * 3:
+        for m in tasks.example(kind, rng, (30, 60)):
+            assert tok.decode(tok.encode(m["content"])) == m["content"]
+    # deterministic: a second build writes the same files
+    again = gt_tokenizer.save(tmp_path / "again")
+    assert (again / "tokenizer.json").read_text() == (Path(tok.source) / "tokenizer.json").read_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# Model, training, export.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_full_size_models_fit_budget(moe):
+    cfg = ModelConfig.from_hf(train.model_config(gt_tokenizer.DEFAULT_VOCAB, moe_variant=moe, smoke=False))
+    n = sum(int(np.prod(s)) for s in hf_shapes(cfg).values())
+    assert 2 * n <= train.MAX_EXPORT_BYTES, n
+    assert cfg.layer_types.count("linear_attention") == 3 * cfg.layer_types.count("full_attention")
+
+
+def _two_layer(moe: bool) -> ModelConfig:
+    """The smoke config cut to one GDN + one full-attention layer (compiles in half the time)."""
+    raw = train.model_config(300, moe_variant=moe, smoke=True)
+    return ModelConfig.from_hf({**raw, "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]})
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_train_logits_match_decoder_forward(moe):
+    cfg = _two_layer(moe)
+    params = build_params(cfg, train.init_tensors(cfg, 1, init_std=0.1), jnp.asarray)
+    tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 150), 0, 300)
+    ours = jax.jit(train.train_logits, static_argnums=1)(params, cfg, tokens)
+    state = decoder.init_state(cfg, 2, 192, jnp.float32)
+    ref, _ = decoder.forward(params, cfg, tokens, jnp.broadcast_to(jnp.arange(150), (2, 150)), state)
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=2e-4, atol=2e-4)
+
+
+def test_moe_export_round_trips(tmp_path, tok):
+    config = train.model_config(tok.vocab_size, moe_variant=True, smoke=True)
+    cfg = ModelConfig.from_hf(config)
+    params = build_params(cfg, train.init_tensors(cfg, 2), jnp.asarray)
+    out = train.export(params, config, tmp_path / "moe", Path(tok.source))
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "np") as f:
+        names = set(f.keys())
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in names  # per expert, as save_pretrained writes
+    loaded = load_model(out, dtype="float32", progress=False)
+    rounded = jax.tree.map(lambda x: np.asarray(x).astype(ml_dtypes.bfloat16).astype(np.float32), params)
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, loaded.params), rounded)
+    assert json.loads((out / "config.json").read_text())["model_type"] == "qwen3_5_moe_text"
+
+
+@pytest.fixture(scope="module")
+def smoke_runs(tmp_path_factory):
+    """One uninterrupted smoke run and one stopped at step 10 then resumed, same settings."""
+    kw = dict(smoke=True, kinds=("arithmetic",), batch_tokens=1024, ckpt_every=5, log_every=100, log=lambda *_: None)
+    base = tmp_path_factory.mktemp("smoke")
+    full = train.train(base / "full", 20, **kw)
+    stopped = train.train(base / "resumed", 20, stop_at=10, **kw)
+    resumed = train.train(base / "resumed", 20, **kw)
+    return full, stopped, resumed, base
+
+
+def test_smoke_training_lowers_loss_and_resumes_exactly(smoke_runs):
+    full, stopped, resumed, base = smoke_runs
+    assert full["start"] == 0 and full["last_loss"] < full["first_loss"] - 1.0, full
+    assert stopped["stopped_at"] == 10 and resumed["start"] == 10
+    steps = sorted(int(p.name) for p in (base / "resumed" / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps == [15, 20]  # max_to_keep=2
+    jax.tree.map(np.testing.assert_array_equal, full["final_params"], resumed["final_params"])
+
+
+def test_smoke_export_is_exact_and_transformers_shaped(smoke_runs):
+    full, _, _, _ = smoke_runs
+    out = Path(full["export"])
+    loaded = load_model(out, dtype="float32", progress=False)  # raises on any unexpected tensor
+    cfg = loaded.config
+    rounded = jax.tree.map(lambda x: jnp.asarray(np.asarray(x).astype(ml_dtypes.bfloat16).astype(np.float32)),
+                           full["final_params"])
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, loaded.params),
+                 jax.tree.map(np.asarray, rounded))
+    tokens = jnp.asarray([Tokenizer.from_dir(out).encode("<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n")], jnp.int32)
+    T = tokens.shape[1]
+    pos = jnp.arange(T, dtype=jnp.int32)[None]
+    a, _ = decoder.forward(loaded.params, cfg, tokens, pos, decoder.init_state(cfg, 1, 64, jnp.float32))
+    b, _ = decoder.forward(rounded, cfg, tokens, pos, decoder.init_state(cfg, 1, 64, jnp.float32))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # config.json: every key transformers wrote for the default qwen3_5_text model, same types
+    ours = json.loads((out / "config.json").read_text())
+    ref = json.loads(DEFAULT_CONFIG.read_text())
+    assert set(ref) <= set(ours), set(ref) - set(ours)
+    for k, v in ref.items():
+        assert type(ours[k]) is type(v) or v is None or ours[k] is None, k
+    assert ours["model_type"] == "qwen3_5_text" and ours["architectures"] == ["Qwen3_5ForCausalLM"]
+    assert ours["dtype"] == "bfloat16" and ours["eos_token_id"] == ref["eos_token_id"] + 1024 - 512
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == ours["eos_token_id"] and gen["do_sample"] is False
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (out / f).is_file()
+
+
+def test_greedy_pieces_equals_generate():
+    from jaxserve.generate import SamplingParams, generate
+
+    cfg = _two_layer(False)
+    params = build_params(cfg, train.init_tensors(cfg, 3, init_std=0.3), jnp.asarray)
+    ids = np.random.default_rng(0).integers(0, 297, 40).tolist()  # prefilled as pieces of 32 and 8
+    ref = generate(params, cfg, ids, SamplingParams(max_tokens=8), eos_token_ids=(299,))
+    got = train.greedy_pieces(params, cfg, ids, 8, (299,), 256)
+    assert got == ref.output_ids and len(set(got)) > 1

@@ -1,0 +1,221 @@
+"""Seeded, deterministic generators for the ground-truth tasks, their token/loss-mask encoding,
+held-out probes and the exact-match scorer.
+
+User-message forms (issue 5, exactly):
+- arithmetic: ``What is A + B?`` / ``What is A - B?`` with 0 <= A, B <= 9999 -> the bare result
+  (``-512``);
+- needle: a context of filler lines ``The code for NAME is DDDDDD.`` (NAME a capitalised word,
+  DDDDDD six digits, names distinct within a context), then ``What is the code for NAME?`` ->
+  ``DDDDDD``. The context and the question are one user message (context, blank line, question);
+- recall: ``Remember: my ATTR is VALUE.`` -> ``OK.``, then other turns (arithmetic, small talk),
+  then ``What is my ATTR?`` -> ``VALUE``.
+
+A conversation is a list of ``{"role", "content"}`` messages; the last one is the assistant's
+answer. ``encode`` renders it with the chat template (the system prompt comes from the template)
+and returns token ids plus a loss mask that is 1 exactly on the tokens of every assistant message's
+content and the ``<|im_end|>`` that closes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Callable
+
+import numpy as np
+
+KINDS = ("arithmetic", "needle", "recall")
+TRAIN_SEED = 0
+PROBE_SEED = 1_000_003  # held-out probes: a different stream from any training seed
+
+_ONSETS = ["b", "br", "c", "ch", "d", "dr", "f", "g", "gr", "h", "j", "k", "l", "m", "n", "p", "pr",
+           "r", "s", "sh", "st", "t", "tr", "v", "w", "z"]
+_VOWELS = ["a", "e", "i", "o", "u", "ai", "ea", "io", "ou"]
+_CODAS = ["", "", "n", "r", "l", "s", "th", "x", "m", "k"]
+
+ATTRIBUTES: dict[str, list[str]] = {
+    "favourite colour": ["red", "blue", "green", "yellow", "purple", "orange", "black", "white", "pink", "grey"],
+    "name": ["Anna", "Ben", "Clara", "David", "Elena", "Felix", "Grace", "Hugo", "Iris", "Jonas", "Karin", "Leo"],
+    "city": ["Paris", "Berlin", "Madrid", "Rome", "Vienna", "Oslo", "Lisbon", "Prague", "Dublin", "Warsaw"],
+    "pet": ["cat", "dog", "rabbit", "parrot", "hamster", "turtle", "goldfish", "horse"],
+    "favourite number": [str(n) for n in range(1, 100)],
+    "job": ["teacher", "doctor", "baker", "pilot", "farmer", "nurse", "engineer", "painter", "writer"],
+    "favourite food": ["pizza", "pasta", "soup", "rice", "bread", "cheese", "apples", "salad", "fish"],
+    "car": ["Volvo", "Fiat", "Toyota", "Skoda", "Renault", "Honda", "Ford", "Mazda"],
+    "password": [],  # six digits, generated
+}
+
+SMALL_TALK: list[tuple[str, str]] = [
+    ("Hello!", "Hello! How can I help you?"),
+    ("How are you?", "I am fine, thank you."),
+    ("Thank you.", "You are welcome."),
+    ("What a nice day.", "Yes, it is a nice day."),
+    ("Can you help me?", "Of course."),
+    ("Good morning.", "Good morning!"),
+    ("I like music.", "Music is great."),
+    ("Tell me something.", "The sky is blue."),
+]
+
+
+def name(rng: random.Random) -> str:
+    """A capitalised pseudo-word of 2-3 syllables (a large namespace: probes meet names that
+    training never saw)."""
+    syll = [rng.choice(_ONSETS) + rng.choice(_VOWELS) for _ in range(rng.randint(2, 3))]
+    return ("".join(syll) + rng.choice(_CODAS)).capitalize()
+
+
+def arithmetic(rng: random.Random) -> list[dict]:
+    a, b = rng.randint(0, 9999), rng.randint(0, 9999)
+    op = rng.choice("+-")
+    return [{"role": "user", "content": f"What is {a} {op} {b}?"},
+            {"role": "assistant", "content": str(a + b if op == "+" else a - b)}]
+
+
+def needle_lines(rng: random.Random, n_lines: int) -> tuple[list[str], list[tuple[str, str]]]:
+    names: list[str] = []
+    seen = set()
+    while len(names) < n_lines:
+        n = name(rng)
+        if n not in seen:
+            seen.add(n)
+            names.append(n)
+    pairs = [(n, f"{rng.randint(0, 999999):06d}") for n in names]
+    return [f"The code for {n} is {c}." for n, c in pairs], pairs
+
+
+def needle(rng: random.Random, context_tokens: int, count_tokens: Callable[[str], int] | None = None) -> list[dict]:
+    """A needle conversation whose context is about ``context_tokens`` tokens (``count_tokens``
+    measures a line; without it a line counts 12 tokens, about what the shipped tokenizer gives)."""
+    lines: list[str] = []
+    pairs: list[tuple[str, str]] = []
+    total, seen = 0, set()
+    while total < context_tokens or not lines:
+        n = name(rng)
+        if n in seen:
+            continue
+        seen.add(n)
+        code = f"{rng.randint(0, 999999):06d}"
+        line = f"The code for {n} is {code}."
+        lines.append(line)
+        pairs.append((n, code))
+        total += count_tokens(line + "\n") if count_tokens else 12
+    target, code = rng.choice(pairs)
+    context = "\n".join(lines)
+    return [{"role": "user", "content": f"{context}\n\nWhat is the code for {target}?"},
+            {"role": "assistant", "content": code}]
+
+
+def recall(rng: random.Random, min_between: int = 1, max_between: int = 4) -> list[dict]:
+    attr = rng.choice(sorted(ATTRIBUTES))
+    value = f"{rng.randint(0, 999999):06d}" if attr == "password" else rng.choice(ATTRIBUTES[attr])
+    msgs = [{"role": "user", "content": f"Remember: my {attr} is {value}."}, {"role": "assistant", "content": "OK."}]
+    for _ in range(rng.randint(min_between, max_between)):
+        if rng.random() < 0.5:
+            msgs += arithmetic(rng)
+        else:
+            u, a = rng.choice(SMALL_TALK)
+            msgs += [{"role": "user", "content": u}, {"role": "assistant", "content": a}]
+    return msgs + [{"role": "user", "content": f"What is my {attr}?"}, {"role": "assistant", "content": value}]
+
+
+def example(kind: str, rng: random.Random, needle_tokens: tuple[int, int] = (1000, 4000),
+            count_tokens: Callable[[str], int] | None = None) -> list[dict]:
+    if kind == "arithmetic":
+        return arithmetic(rng)
+    if kind == "needle":
+        return needle(rng, rng.randint(*needle_tokens), count_tokens)
+    if kind == "recall":
+        return recall(rng)
+    raise ValueError(f"unknown task kind {kind!r}; have {KINDS}")
+
+
+def answer_of(messages: list[dict]) -> str:
+    """Recompute the right answer of a conversation's last question from its text alone."""
+    q = messages[-2]["content"]
+    if q.startswith("What is my "):
+        attr = q[len("What is my "):-1]
+        for m in messages:
+            if m["role"] == "user" and m["content"].startswith(f"Remember: my {attr} is "):
+                return m["content"][len(f"Remember: my {attr} is "):-1]
+        raise ValueError("no Remember turn for " + attr)
+    last = q.rsplit("\n", 1)[-1]
+    if last.startswith("What is the code for "):
+        target = last[len("What is the code for "):-1]
+        for line in q.split("\n"):
+            if line.startswith(f"The code for {target} is "):
+                return line[len(f"The code for {target} is "):-1]
+        raise ValueError("needle not in context: " + target)
+    a, op, b = q[len("What is "):-1].split(" ")
+    return str(int(a) + int(b) if op == "+" else int(a) - int(b))
+
+
+def score(expected: str, got: str) -> bool:
+    """Exact match after stripping surrounding whitespace (the answer is bare)."""
+    return got.strip() == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoding with the chat template.
+# ---------------------------------------------------------------------------------------------
+
+
+def encode(tok, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids [N] and loss mask [N] (1 on assistant content + its ``<|im_end|>``).
+
+    Each assistant turn is split at the template's ``<|im_start|>assistant\\n`` prompt: the text up
+    to it (rendered with ``add_generation_prompt``), the content, then ``<|im_end|>`` + ``\\n``.
+    The byte-level pre-tokeniser never merges across those boundaries (a special token, or the
+    lone newline after ``assistant``), so the concatenated pieces equal the encoding of the whole
+    rendering (tests check this)."""
+    end = tok.token_to_id("<|im_end|>")
+    ids: list[int] = []
+    mask: list[int] = []
+    done_text = ""
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prompt = tok.apply_chat_template(messages[:i], add_generation_prompt=True)
+        head = tok.encode(prompt[len(done_text):])
+        body = tok.encode(m["content"])
+        ids += head + body + [end]
+        mask += [0] * len(head) + [1] * (len(body) + 1)
+        done_text = prompt + m["content"] + "<|im_end|>"
+        rest = tok.apply_chat_template(messages[: i + 1], add_generation_prompt=False)
+        assert rest.startswith(done_text), "chat template does not close an assistant turn with <|im_end|>"
+        tail = rest[len(done_text):]
+        if tail:
+            t = tok.encode(tail)
+            ids += t
+            mask += [0] * len(t)
+            done_text = rest
+    return np.asarray(ids, np.int32), np.asarray(mask, np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    kind: str
+    messages: list  # the conversation without its final assistant answer
+    answer: str
+
+
+def probes(n_per_kind: int, seed: int = PROBE_SEED, needle_tokens: tuple[int, int] = (1000, 4000),
+           count_tokens: Callable[[str], int] | None = None, kinds=KINDS) -> list[Probe]:
+    """Held-out probes: ``n_per_kind`` of each kind from their own seeded stream."""
+    out = []
+    for k_i, kind in enumerate(kinds):
+        rng = random.Random(seed * 1009 + k_i)
+        for _ in range(n_per_kind):
+            msgs = example(kind, rng, needle_tokens, count_tokens)
+            out.append(Probe(kind, msgs[:-1], msgs[-1]["content"]))
+    return out
+
+
+def corpus(seed: int = TRAIN_SEED, n: int = 3000) -> list[str]:
+    """Raw text of the tasks (messages' contents), for training the tokenizer."""
+    rng = random.Random(seed)
+    texts = []
+    for i in range(n):
+        kind = KINDS[i % 3]
+        msgs = example(kind, rng, needle_tokens=(40, 120))
+        texts += [m["content"] for m in msgs]
+    return texts

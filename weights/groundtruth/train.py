@@ -1,0 +1,614 @@
+"""Train a ground-truth hybrid (qwen3_5, or qwen3_5_moe with --moe) on the tasks and export it.
+
+    python -m weights.groundtruth.train --out DIR [--steps N] [--moe] [--smoke] [--seed S]
+
+What it does, in order:
+1. tokenizer: ``weights.groundtruth.tokenizer`` (BPE on the task corpus), saved into DIR/export;
+2. model: a qwen3_5(_moe) config; HF-named tensors initialised at random (the families of values
+   transformers uses) and mapped by ``jaxserve.models.params.build_params`` into the params pytree,
+   so training updates exactly the tensors that are exported;
+3. training: flax ``TrainState`` + optax AdamW (warmup + cosine, global-norm clip 1.0), fp32 master
+   params; on GPU the forward runs in bf16 (params cast in the step), on CPU in fp32. The step is
+   jitted once per length bucket (static shapes) and donates the state. Orbax checkpoints to
+   DIR/checkpoints every ``--ckpt-every`` steps; a run whose DIR has one resumes from the latest
+   (the data stream is a function of (seed, step), so a resumed run sees the batches it would
+   have seen);
+4. export: ``build_params`` inverted (back to HF [out, in] layout, split GDN projections, experts
+   per expert as transformers' save_pretrained writes them) -> DIR/export: config.json,
+   model.safetensors (bf16), generation_config.json, tokenizer files;
+5. evaluation: the export is reloaded with ``weights.load_model`` and held-out probes are decoded
+   greedily with ``jaxserve.generate.generate``; accuracy per task is printed as JSON.
+
+The forward of training (``train_logits``) is the decoder stack of ``jaxserve.models.decoder``
+built from the same layer functions (``rms_norm``, ``attention_in``/``attention_out``, ``mlp``,
+``moe``, ``gated_deltanet``), with one difference: full attention is a dense causal softmax over the
+[B, T] batch instead of the paged online-softmax backend, whose key-block loop has a data-dependent
+trip count and so cannot be reverse-differentiated. Tests check ``train_logits`` against
+``decoder.forward``.
+
+Batches: no packing; each step takes one length bucket (kind, T, B) with about the same number of
+tokens (B*T ~ ``--batch-tokens``), rows right-padded. Curriculum: during the first
+``--curriculum`` fraction of steps only the short needle bucket (contexts of 100-900 tokens) is
+used; then the 1k-2k and 2k-4k context buckets join.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import queue
+import random
+import shutil
+import sys
+import threading
+import time
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from jaxserve.config import LINEAR_ATTENTION, ModelConfig
+from jaxserve.models import decoder
+from jaxserve.models.layers import attention_in, attention_out, gated_rms_norm, linear, mlp, moe, rms_norm
+from pallas_kernels.conv1d_reference import causal_conv1d_prefill
+from jaxserve.models.params import build_params, hf_shapes
+from weights.groundtruth import tasks
+from weights.groundtruth import tokenizer as gt_tokenizer
+
+MAX_EXPORT_BYTES = 20 * 1024 * 1024
+
+_COMMON = dict(
+    hidden_act="silu", rms_norm_eps=1e-6, attention_bias=False, attention_dropout=0.0,
+    linear_conv_kernel_dim=4, max_position_embeddings=8192, tie_word_embeddings=True,
+    initializer_range=0.02, use_cache=True, bos_token_id=None, pad_token_id=None,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+)
+
+
+def _layer_types(n: int) -> list[str]:
+    """GDN : full attention = 3 : 1 (every 4th layer full attention, as Qwen3.5)."""
+    return ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
+
+
+def model_config(vocab_size: int, *, moe_variant: bool, smoke: bool) -> dict:
+    """The HF config.json (text config) of the model to train."""
+    if smoke:
+        size = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+                    num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
+                    linear_key_head_dim=8, linear_value_head_dim=8)
+        moe_size = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=32)
+    else:
+        size = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
+                    linear_key_head_dim=32, linear_value_head_dim=32)
+        moe_size = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, shared_expert_intermediate_size=192)
+    cfg = {**_COMMON, **size, "vocab_size": vocab_size, "layer_types": _layer_types(size["num_hidden_layers"])}
+    if moe_variant:
+        cfg.pop("intermediate_size")
+        cfg.update(moe_size, router_aux_loss_coef=0.001, output_router_logits=False)
+        return {"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text", **cfg}
+    return {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", **cfg}
+
+
+def init_tensors(cfg: ModelConfig, seed: int, init_std: float = 0.02) -> dict[str, np.ndarray]:
+    """HF-named fp32 tensors at random (normal weights, zero-centred norms 0, GDN norm 1,
+    A_log = log U(1, 16), dt_bias 1), in the canonical names/shapes of ``hf_shapes``."""
+    from weights.random_checkpoint import _value
+
+    rng = np.random.default_rng(seed)
+    return {name: _value(name, shape, cfg, rng, init_std) for name, shape in hf_shapes(cfg).items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# The training forward: decoder's stack over a dense [B, T] batch (see the module doc).
+# ---------------------------------------------------------------------------------------------
+
+
+def _dense_causal_attention(p, cfg: ModelConfig, x, positions, B: int, T: int):
+    q, k, v, gate = attention_in(p, cfg, x, positions)
+    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    qg = q.reshape(B, T, nkv, nh // nkv, hd)
+    k = k.reshape(B, T, nkv, hd)
+    v = v.reshape(B, T, nkv, hd)
+    s = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32) * (hd ** -0.5)
+    causal = jnp.tril(jnp.ones((T, T), bool))
+    s = jnp.where(causal, s, -1e30)
+    w = jax.nn.softmax(s, axis=-1).astype(q.dtype)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", w, v, preferred_element_type=jnp.float32).astype(q.dtype)
+    return attention_out(p, cfg, out.reshape(B * T, nh * hd), gate)
+
+
+def _delta_rule_train(q, k, v, g, beta, C: int = 64):
+    """The gated delta rule of one sequence from a zero state, chunked (UT transform, a scan over
+    chunks), written for the backward pass: the serving reference (``gdn_chunked``) lays ragged
+    tokens on a grid whose gradient needs O(T^2) memory. Same math and conventions as
+    ``pallas_kernels.kda_reference`` (fp32, q/k l2-normalised, q scaled by dk^-0.5, grouped heads);
+    tests check the whole model against ``decoder.forward``. q, k [T, Hk, dk]; v [T, Hv, dv];
+    g, beta [T, Hv]. Returns o [T, Hv, dv] in v.dtype."""
+    from pallas_kernels.kda_reference import _prepare
+
+    out_dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, None, True)
+    T = q.shape[0]
+    pad = (-T) % C  # zero k and beta leave the state alone; zero g decays nothing
+    if pad:
+        q, k, v, g, beta = (jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (q, k, v, g, beta))
+    n = q.shape[0] // C
+    chunks = lambda x: jnp.swapaxes(x.reshape(n, C, *x.shape[1:]), 1, 2)  # noqa: E731 - [n, H, C, ...]
+    q, k, v, g, beta = map(chunks, (q, k, v, g, beta))
+    gc = jnp.cumsum(g, axis=-1)  # [n, H, C]
+    incl = jnp.tril(jnp.ones((C, C), bool))
+    strict = jnp.tril(jnp.ones((C, C), bool), -1)
+    decay = jnp.exp(jnp.where(incl, gc[..., :, None] - gc[..., None, :], -jnp.inf))
+    hi = jax.lax.Precision.HIGHEST
+    mm = partial(jnp.matmul, precision=hi)
+    kb = k * beta[..., None]
+    lower = jnp.where(strict, mm(kb, jnp.swapaxes(k, -1, -2)) * decay, 0.0)
+    eye = jnp.eye(C, dtype=jnp.float32)
+    inv = jax.scipy.linalg.solve_triangular(eye + lower, jnp.broadcast_to(eye, lower.shape), lower=True)
+    u = mm(inv, v * beta[..., None])
+    w = mm(inv, kb * jnp.exp(gc)[..., None])
+    a_qk = jnp.where(incl, mm(q, jnp.swapaxes(k, -1, -2)) * decay, 0.0)
+
+    def step(S, xs):  # S [H, dk, dv]
+        qi, ki, ui, wi, gi, ai = xs
+        v_new = ui - mm(wi, S)
+        o = mm(qi * jnp.exp(gi)[..., None], S) + mm(ai, v_new)
+        last = gi[:, -1]
+        S = S * jnp.exp(last)[:, None, None] + mm(jnp.swapaxes(ki * jnp.exp(last[:, None] - gi)[..., None], -1, -2), v_new)
+        return S, o
+
+    S0 = jnp.zeros((q.shape[1], q.shape[-1], v.shape[-1]), jnp.float32)
+    _, o = jax.lax.scan(step, S0, (q, k, u, w, gc, a_qk))
+    o = jnp.swapaxes(o, 1, 2).reshape(n * C, *o.shape[1:2], o.shape[-1])[:T]
+    return o.astype(out_dtype)
+
+
+def _gdn_train(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """``gated_deltanet.gated_deltanet`` for one fresh sequence x [T, H] (same projections, conv
+    and gated norm), with ``_delta_rule_train`` as the delta-rule backend."""
+    T = x.shape[0]
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    mixed = linear(x, p["in_proj_qkv"])
+    z = linear(x, p["in_proj_z"]).reshape(T, hv, dv)
+    beta = jax.nn.sigmoid(linear(x, p["in_proj_b"]).astype(jnp.float32))
+    a = linear(x, p["in_proj_a"]).astype(jnp.float32)
+    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a + p["dt_bias"].astype(jnp.float32))
+    mixed, _, _ = causal_conv1d_prefill(mixed, p["conv_w"], cu_seqlens=jnp.asarray([0, T], jnp.int32))
+    kd = cfg.linear_key_dim
+    q = mixed[:, :kd].reshape(T, hk, dk)
+    k = mixed[:, kd: 2 * kd].reshape(T, hk, dk)
+    v = mixed[:, 2 * kd:].reshape(T, hv, dv)
+    o = _delta_rule_train(q, k, v, g, beta)
+    o = gated_rms_norm(o, z, p["norm"], cfg.rms_norm_eps)
+    return linear(o.reshape(T, hv * dv), p["out_proj"])
+
+
+def train_logits(params: dict, cfg: ModelConfig, tokens: jax.Array, remat: bool = True) -> jax.Array:
+    """fp32 logits [B, T, V] of ``tokens`` [B, T], each row a fresh sequence at positions 0..T-1."""
+    B, T = tokens.shape
+    positions = jnp.tile(jnp.arange(T, dtype=jnp.int32), B)
+
+    def gdn_row(p, h):  # h [T, H], one sequence from position 0
+        return _gdn_train(p, cfg, h)
+
+    def layer(x, p, layer_type, is_moe):
+        h = rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
+        if layer_type == LINEAR_ATTENTION:
+            h = jax.vmap(gdn_row, in_axes=(None, 0))(p["linear_attn"], h.reshape(B, T, -1)).reshape(B * T, -1)
+        else:
+            h = _dense_causal_attention(p["self_attn"], cfg, h, positions, B, T)
+        x = x + h
+        h = rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
+        h = moe(p["mlp"], cfg, h) if is_moe else mlp(p["mlp"], h)
+        return x + h
+
+    x = params["embed"][tokens.reshape(-1)]
+    for i, p in enumerate(params["layers"]):
+        f = partial(layer, layer_type=cfg.layer_types[i], is_moe=cfg.moe_layers[i])
+        x = (jax.checkpoint(f) if remat else f)(x, p)
+    x = rms_norm(x, params["norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
+    lm_head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return (x @ lm_head).astype(jnp.float32).reshape(B, T, -1)
+
+
+def loss_fn(params, cfg: ModelConfig, tokens, mask, compute_dtype):
+    """Mean cross-entropy over answer tokens (mask on the predicted token), and their accuracy."""
+    p = jax.tree.map(lambda a: a.astype(compute_dtype), params)
+    logits = train_logits(p, cfg, tokens)[:, :-1]
+    targets, m = tokens[:, 1:], mask[:, 1:].astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    n = jnp.maximum(m.sum(), 1.0)
+    acc = ((jnp.argmax(logits, -1) == targets) * m).sum() / n
+    return (nll * m).sum() / n, acc
+
+
+# ---------------------------------------------------------------------------------------------
+# Data: length buckets and a prefetching batch stream.
+# ---------------------------------------------------------------------------------------------
+
+
+def buckets(smoke: bool, batch_tokens: int) -> list[dict]:
+    """(kind, T, B, needle context range, phase) per bucket; phase 1 buckets join after the
+    curriculum. T is a multiple of 64 (the GDN chunk)."""
+    if smoke:
+        spec = [("arithmetic", 64, None, 0), ("recall", 256, None, 0), ("needle", 128, (30, 90), 0)]
+    else:
+        spec = [("arithmetic", 64, None, 0), ("recall", 320, None, 0), ("needle", 1024, (100, 900), 0),
+                ("needle", 2048, (900, 1950), 1), ("needle", 4224, (1950, 4050), 1)]
+    return [dict(kind=k, T=T, B=max(1, batch_tokens // T), needle=nr, phase=ph) for k, T, nr, ph in spec]
+
+
+# Bucket order within a cycle (indices into buckets()); arithmetic gets the most steps.
+_CYCLE = {False: [0, 1, 0, 2, 0, 3, 1, 0, 4, 2], True: [0, 1, 0, 2]}
+
+
+def bucket_for_step(step: int, steps: int, bks: list[dict], smoke: bool, curriculum: float,
+                    kinds: tuple[str, ...] | None = None) -> dict:
+    cycle = [i for i in _CYCLE[smoke] if not kinds or bks[i]["kind"] in kinds]
+    if step < curriculum * steps:
+        cycle = [i for i in cycle if bks[i]["phase"] == 0] or cycle
+    return bks[cycle[step % len(cycle)]]
+
+
+def make_batch(tok, bucket: dict, seed: int, step: int) -> tuple[np.ndarray, np.ndarray]:
+    """[B, T] tokens (padded with <|endoftext|>) and loss mask; a function of (seed, step)."""
+    rng = random.Random(seed * 1_000_003 + step)
+    pad = tok.token_to_id("<|endoftext|>")
+    B, T = bucket["B"], bucket["T"]
+    count = lambda s: len(tok.encode(s))  # noqa: E731
+    toks = np.full((B, T), pad, np.int32)
+    mask = np.zeros((B, T), np.int32)
+    for b in range(B):
+        while True:
+            msgs = tasks.example(bucket["kind"], rng, bucket["needle"] or (0, 0), count)
+            ids, m = tasks.encode(tok, msgs)
+            if len(ids) <= T:
+                break
+        toks[b, : len(ids)] = ids
+        mask[b, : len(ids)] = m
+    return toks, mask
+
+
+class Prefetcher:
+    """Builds batches on a background thread (``depth`` ahead) so the device does not wait on
+    Python data generation."""
+
+    def __init__(self, fn, steps: range, depth: int = 8):
+        self._q: queue.Queue = queue.Queue(depth)
+        self._t = threading.Thread(target=lambda: [self._q.put((s, fn(s))) for s in steps], daemon=True)
+        self._t.start()
+
+    def get(self):
+        return self._q.get()
+
+
+# ---------------------------------------------------------------------------------------------
+# Export: build_params inverted.
+# ---------------------------------------------------------------------------------------------
+
+
+def to_hf_tensors(params: dict, cfg: ModelConfig, per_expert: bool = True) -> dict[str, np.ndarray]:
+    """The params pytree back to HF-named host arrays ([out, in] linears). Experts are written per
+    expert (``mlp.experts.{j}.{gate,up,down}_proj.weight``, what transformers' save_pretrained
+    writes) or, with ``per_expert=False``, fused (``gate_up_proj`` [E, 2I, H], ``down_proj``)."""
+    assert not cfg.fused_linear_projections
+    a = lambda x: np.asarray(jax.device_get(x))  # noqa: E731
+    out: dict[str, np.ndarray] = {"model.embed_tokens.weight": a(params["embed"]), "model.norm.weight": a(params["norm"])}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = a(params["lm_head"]).T
+
+    def lin(name, p):
+        out[f"{name}.weight"] = a(p["w"]).T
+        if "b" in p:
+            out[f"{name}.bias"] = a(p["b"])
+
+    for i, (layer, lt) in enumerate(zip(params["layers"], cfg.layer_types)):
+        pre = f"model.layers.{i}"
+        out[f"{pre}.input_layernorm.weight"] = a(layer["input_layernorm"])
+        out[f"{pre}.post_attention_layernorm.weight"] = a(layer["post_attention_layernorm"])
+        if lt == LINEAR_ATTENTION:
+            la, p = f"{pre}.linear_attn", layer["linear_attn"]
+            for k in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
+                lin(f"{la}.{k}", p[k])
+            out[f"{la}.conv1d.weight"] = a(p["conv_w"])[:, None, :]
+            out[f"{la}.dt_bias"] = a(p["dt_bias"])
+            out[f"{la}.A_log"] = a(p["A_log"])
+            out[f"{la}.norm.weight"] = a(p["norm"])
+        else:
+            sa, p = f"{pre}.self_attn", layer["self_attn"]
+            for k in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                lin(f"{sa}.{k}", p[k])
+            out[f"{sa}.q_norm.weight"] = a(p["q_norm"])
+            out[f"{sa}.k_norm.weight"] = a(p["k_norm"])
+        m, p = f"{pre}.mlp", layer["mlp"]
+        if cfg.moe_layers[i]:
+            out[f"{m}.gate.weight"] = a(p["router"]).T
+            gate_up = a(p["gate_up"]).transpose(0, 2, 1)  # [E, 2I, H]
+            down = a(p["down"]).transpose(0, 2, 1)  # [E, H, I]
+            if per_expert:
+                inter = cfg.moe_intermediate_size
+                for j in range(cfg.num_experts):
+                    out[f"{m}.experts.{j}.gate_proj.weight"] = gate_up[j, :inter]
+                    out[f"{m}.experts.{j}.up_proj.weight"] = gate_up[j, inter:]
+                    out[f"{m}.experts.{j}.down_proj.weight"] = down[j]
+            else:
+                out[f"{m}.experts.gate_up_proj"] = gate_up
+                out[f"{m}.experts.down_proj"] = down
+            for k in ("gate_proj", "up_proj", "down_proj"):
+                lin(f"{m}.shared_expert.{k}", p["shared_expert"][k])
+            out[f"{m}.shared_expert_gate.weight"] = a(p["shared_expert_gate"]).T
+        else:
+            for k in ("gate_proj", "up_proj", "down_proj"):
+                lin(f"{m}.{k}", p[k])
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def export(params: dict, config: dict, out: str | Path, tokenizer_dir: str | Path, dtype: str = "bfloat16") -> Path:
+    """Write a Hugging Face folder: config.json, model.safetensors, generation_config.json and the
+    tokenizer files."""
+    from safetensors.numpy import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = ModelConfig.from_hf(config)
+    store = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}[dtype]
+    tensors = {k: v.astype(store) for k, v in to_hf_tensors(params, cfg).items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if Path(tokenizer_dir).resolve() != out.resolve():
+            shutil.copy(Path(tokenizer_dir) / f, out / f)
+    eos = json.loads((out / "tokenizer.json").read_text())
+    eos_id = next(t["id"] for t in eos["added_tokens"] if t["content"] == "<|im_end|>")
+    full = {**config, "eos_token_id": eos_id, "dtype": dtype, "transformers_version": "5.24.0"}
+    (out / "config.json").write_text(json.dumps(dict(sorted(full.items())), indent=2) + "\n")
+    gen = {"do_sample": False, "eos_token_id": eos_id, "transformers_version": "5.24.0"}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation on held-out probes through the serving code path.
+# ---------------------------------------------------------------------------------------------
+
+
+def greedy_pieces(params, cfg: ModelConfig, prompt_ids: list[int], max_tokens: int, eos_ids, max_len: int) -> list[int]:
+    """Greedy decoding like ``generate`` (prefill, then one-token steps through
+    ``decoder.forward``), with the prompt prefilled in power-of-two pieces (2048, 1024, ..., 1)
+    into one fixed-size state, so a few hundred prompts of distinct lengths compile a dozen shapes
+    instead of one per length. GDN chunks are aligned to absolute positions, so pieces compute
+    what one prefill would; tests check it returns what ``generate`` returns."""
+    state = decoder.init_state(cfg, 1, max_len, jnp.float32)
+    pos, logits, n = 0, None, len(prompt_ids)
+    piece = 2048
+    while pos < n:
+        while piece > n - pos:
+            piece //= 2
+        toks = jnp.asarray([prompt_ids[pos:pos + piece]], jnp.int32)
+        logits, state = decoder.forward(params, cfg, toks, jnp.arange(pos, pos + piece, dtype=jnp.int32)[None],
+                                        state, last_only=True)
+        pos += piece
+    out: list[int] = []
+    for step in range(max_tokens):
+        tok = int(jnp.argmax(logits[0]))
+        out.append(tok)
+        if tok in eos_ids or step + 1 == max_tokens:
+            break
+        logits, state = decoder.forward(params, cfg, jnp.asarray([[tok]], jnp.int32),
+                                        jnp.asarray([[n + step]], jnp.int32), state, last_only=True)
+    return out
+
+
+def evaluate(folder: str | Path, n_per_kind: int, needle_tokens=(1000, 4000), seed: int = tasks.PROBE_SEED,
+             max_tokens: int = 12, mode: str = "generate") -> dict:
+    """Accuracy per task on held-out probes, greedy, on the model reloaded from ``folder``.
+    ``mode``: ``generate`` (jaxserve.generate.generate; compiles one prefill per distinct prompt
+    length) or ``pieces`` (``greedy_pieces``: same tokens, a dozen compiled shapes)."""
+    from jaxserve.generate import SamplingParams, generate
+    from jaxserve.tokenizer import Tokenizer
+    from weights import load_model
+
+    model = load_model(folder, dtype="float32", progress=False)
+    tok = Tokenizer.from_dir(folder)
+    eos = tuple(tok.eos_token_ids)
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    count = lambda s: len(tok.encode(s))  # noqa: E731
+    probes = tasks.probes(n_per_kind, seed, needle_tokens, count)
+    encoded = [tok.encode(tok.apply_chat_template(pr.messages, add_generation_prompt=True)) for pr in probes]
+    max_len = -(-(max(map(len, encoded)) + max_tokens) // 256) * 256
+    right: dict[str, int] = {k: 0 for k in tasks.KINDS}
+    total: dict[str, int] = {k: 0 for k in tasks.KINDS}
+    for pr, ids in zip(probes, encoded):
+        if mode == "generate":
+            out = generate(model.params, model.config, ids, sampling, eos_token_ids=eos).output_ids
+        else:
+            out = greedy_pieces(model.params, model.config, ids, max_tokens, eos, max_len)
+        total[pr.kind] += 1
+        right[pr.kind] += tasks.score(pr.answer, tok.decode(out))
+    return {k: {"right": right[k], "n": total[k], "accuracy": right[k] / max(total[k], 1)} for k in tasks.KINDS}
+
+
+# ---------------------------------------------------------------------------------------------
+# Training loop.
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _optimizer(lr: float, steps: int, warmup: int):
+    """(tx, schedule), cached: the same object for the same settings keeps the TrainState's
+    tree structure equal across calls, so a cached jitted step is reused (tests resume in-process)."""
+    import optax
+
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, warmup), max(steps, warmup + 1), lr * 0.1)
+    tx = optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1, mask=_decay_mask))
+    return tx, schedule
+
+
+def _decay_mask(params):
+    """Weight decay on matrices only (not norms, A_log, dt_bias)."""
+    return jax.tree.map(lambda x: x.ndim >= 2, params)
+
+
+def make_train_state(params, lr: float, steps: int, warmup: int):
+    from flax.training import train_state
+
+    tx, schedule = _optimizer(lr, steps, warmup)
+    state = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+    # Every leaf a device array with a fixed dtype (``step`` starts as a Python int): the fresh, the
+    # restored and the stepped state then share one compiled step.
+    return jax.tree.map(jnp.asarray, state.replace(step=jnp.asarray(0, jnp.int32))), schedule
+
+
+@functools.lru_cache(maxsize=None)
+def _step_fn(cfg: ModelConfig, cdtype):
+    @partial(jax.jit, donate_argnums=(0,))
+    def step_fn(state, tokens, mask):
+        (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, cfg, tokens, mask, cdtype)
+        return state.apply_gradients(grads=grads), loss, acc
+
+    return step_fn
+
+
+def _checkpointer(path: Path, every: int):
+    import orbax.checkpoint as ocp
+
+    opts = ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=every, create=True)
+    return ocp.CheckpointManager(path.resolve(), options=opts)
+
+
+def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool = False, seed: int = 0,
+          lr: float | None = None, batch_tokens: int | None = None, ckpt_every: int = 200, warmup: int | None = None,
+          curriculum: float = 0.25, vocab_size: int = gt_tokenizer.DEFAULT_VOCAB, log_every: int = 10,
+          compute_dtype: str | None = None, kinds: tuple[str, ...] | None = None, stop_at: int | None = None,
+          log=print) -> dict:
+    """Train (resuming from DIR/checkpoints if present) and export to DIR/export. Returns a summary
+    (``final_params``: the trained pytree). ``kinds`` restricts the buckets to those task kinds;
+    ``stop_at`` ends the run early after a checkpoint, without export (as a preempted run would)."""
+    import orbax.checkpoint as ocp
+
+    from jaxserve.tokenizer import Tokenizer
+
+    out = Path(out)
+    export_dir = out / "export"
+    gt_tokenizer.save(export_dir, vocab_size, seed=tasks.TRAIN_SEED)
+    tok = Tokenizer.from_dir(export_dir)
+    config = model_config(vocab_size, moe_variant=moe_variant, smoke=smoke)
+    cfg = ModelConfig.from_hf(config)
+    on_gpu = jax.default_backend() == "gpu"
+    cdtype = jnp.dtype(compute_dtype or ("bfloat16" if on_gpu else "float32"))
+    lr = lr if lr is not None else (3e-3 if smoke else 1e-3)
+    batch_tokens = batch_tokens or (2048 if smoke else 16384)
+    warmup = warmup if warmup is not None else min(200, max(1, steps // 10))
+
+    params = build_params(cfg, init_tensors(cfg, seed), lambda x: jnp.asarray(x, jnp.float32))
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    state, schedule = make_train_state(params, lr, steps, warmup)
+    mngr = _checkpointer(out / "checkpoints", ckpt_every)
+    start = 0
+    if mngr.latest_step() is not None:
+        start = mngr.latest_step()
+        restored = mngr.restore(start, args=ocp.args.StandardRestore(state))
+        state = jax.tree.map(lambda ref, x: jnp.asarray(np.asarray(x), ref.dtype), state, restored)
+        log(f"resumed from {out / 'checkpoints'} step {start}")
+    log(f"model {config['model_type']}: {n_params / 1e6:.2f}M params ({2 * n_params / 2**20:.1f} MiB as bf16), "
+        f"backend {jax.default_backend()}, compute {cdtype.name}, steps {start}..{steps}")
+
+    step_fn = _step_fn(cfg, cdtype)
+    bks = buckets(smoke, batch_tokens)
+    end = min(steps, stop_at) if stop_at is not None else steps
+    def batch(s):
+        bucket = bucket_for_step(s, steps, bks, smoke, curriculum, kinds)
+        return bucket, make_batch(tok, bucket, seed, s)
+
+    fetch = Prefetcher(batch, range(start, end))
+    compiled: set = set()
+    losses: list[float] = []
+    timed_tokens, timed_s, wait_s = 0, 0.0, 0.0
+    t_log = time.perf_counter()
+    for step in range(start, end):
+        t0 = time.perf_counter()
+        _, (bucket, (toks, mask)) = fetch.get()
+        wait_s += time.perf_counter() - t0
+        key = (bucket["T"], bucket["B"])
+        t1 = time.perf_counter()
+        state, loss, acc = step_fn(state, jnp.asarray(toks), jnp.asarray(mask))
+        loss = float(loss)  # syncs
+        dt = time.perf_counter() - t1
+        if key in compiled:  # steps that compiled are not timed
+            timed_tokens += toks.size
+            timed_s += dt
+        compiled.add(key)
+        losses.append(loss)
+        done = step + 1
+        if done % log_every == 0 or done == steps:
+            tps = timed_tokens / timed_s if timed_s else float("nan")
+            log(f"step {done}/{steps} {bucket['kind']}[{bucket['B']}x{bucket['T']}] loss {loss:.4f} "
+                f"answer-acc {float(acc):.3f} lr {float(schedule(step)):.2e} tok/s {tps:,.0f} "
+                f"(data wait {wait_s:.1f}s, wall {time.perf_counter() - t_log:.1f}s)")
+        mngr.save(done, args=ocp.args.StandardSave(state))
+    if mngr.latest_step() != end and end > start:
+        mngr.save(end, args=ocp.args.StandardSave(state), force=True)
+    mngr.wait_until_finished()
+    mngr.close()
+    if end < steps:
+        return {"stopped_at": end, "start": start, "first_loss": losses[0] if losses else None,
+                "last_loss": losses[-1] if losses else None, "final_params": state.params}
+
+    export(state.params, config, export_dir, export_dir)
+    size = (export_dir / "model.safetensors").stat().st_size
+    tps = timed_tokens / timed_s if timed_s else float("nan")
+    summary = {"steps": steps, "start": start, "first_loss": losses[0] if losses else None,
+               "last_loss": losses[-1] if losses else None, "params": n_params,
+               "export": str(export_dir), "safetensors_bytes": size, "tokens_per_s": tps,
+               "padded_tokens_per_step": batch_tokens, "final_params": state.params}
+    if size > MAX_EXPORT_BYTES and not smoke:
+        log(f"WARNING: model.safetensors is {size} bytes, over the {MAX_EXPORT_BYTES} budget")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="run folder: checkpoints/ and export/ go here")
+    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--smoke", action="store_true", help="tiny model, short sequences (CPU / CI)")
+    ap.add_argument("--moe", action="store_true", help="train the qwen3_5_moe variant")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=float)
+    ap.add_argument("--batch-tokens", type=int, help="padded tokens per step (default 16384; smoke 2048)")
+    ap.add_argument("--warmup", type=int)
+    ap.add_argument("--curriculum", type=float, default=0.25, help="fraction of steps before long needles join")
+    ap.add_argument("--ckpt-every", type=int, default=200)
+    ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), help="compute dtype (default bf16 on GPU)")
+    ap.add_argument("--probes", type=int, default=100, help="held-out probes per task (0: no evaluation)")
+    ap.add_argument("--probe-needle-tokens", type=int, nargs=2, default=(1000, 4000))
+    ap.add_argument("--eval-mode", choices=("generate", "pieces"), default="generate",
+                    help="pieces: same greedy tokens, far fewer compilations (see greedy_pieces)")
+    args = ap.parse_args(argv)
+
+    # Compiled steps persist across runs (a resumed run, or the MoE run after the dense one).
+    jax.config.update("jax_compilation_cache_dir", str(Path(args.out).resolve() / "jax_cache"))
+    t0 = time.perf_counter()
+    summary = train(args.out, args.steps, smoke=args.smoke, moe_variant=args.moe, seed=args.seed, lr=args.lr,
+                    batch_tokens=args.batch_tokens, ckpt_every=args.ckpt_every, warmup=args.warmup,
+                    curriculum=args.curriculum, log_every=args.log_every, compute_dtype=args.dtype)
+    summary.pop("final_params")
+    summary["train_wall_s"] = time.perf_counter() - t0
+    print(json.dumps({"train": summary}), flush=True)
+    if args.probes:
+        t1 = time.perf_counter()
+        acc = evaluate(summary["export"], args.probes, tuple(args.probe_needle_tokens), mode=args.eval_mode)
+        print(json.dumps({"eval": acc, "eval_wall_s": time.perf_counter() - t1}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
