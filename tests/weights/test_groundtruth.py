@@ -178,9 +178,11 @@ def _two_layer(moe: bool) -> ModelConfig:
     return ModelConfig.from_hf({**raw, "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]})
 
 
-@pytest.mark.parametrize("moe", [False, True])
-def test_train_logits_match_decoder_forward(moe):
-    cfg = _two_layer(moe)
+def test_train_logits_match_decoder_forward():
+    """The training forward (dense attention, training delta rule) against the serving stack.
+    (Dense MLP only: the MoE block is the same ``layers.moe`` call in both, and compiling it again
+    would cost the CI budget.)"""
+    cfg = _two_layer(False)
     params = build_params(cfg, train.init_tensors(cfg, 1, init_std=0.1), jnp.asarray)
     tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 150), 0, 300)
     ours = jax.jit(train.train_logits, static_argnums=1)(params, cfg, tokens)
@@ -207,21 +209,21 @@ def test_moe_export_round_trips(tmp_path, tok):
 
 @pytest.fixture(scope="module")
 def smoke_runs(tmp_path_factory):
-    """One uninterrupted smoke run and one stopped at step 10 then resumed, same settings."""
-    kw = dict(smoke=True, kinds=("arithmetic",), batch_tokens=1024, ckpt_every=5, log_every=100, log=lambda *_: None)
+    """One uninterrupted smoke run and one stopped at step 8 then resumed, same settings."""
+    kw = dict(smoke=True, kinds=("arithmetic",), batch_tokens=1024, ckpt_every=4, log_every=100, log=lambda *_: None)
     base = tmp_path_factory.mktemp("smoke")
-    full = train.train(base / "full", 20, **kw)
-    stopped = train.train(base / "resumed", 20, stop_at=10, **kw)
-    resumed = train.train(base / "resumed", 20, **kw)
+    full = train.train(base / "full", 16, **kw)
+    stopped = train.train(base / "resumed", 16, stop_at=8, **kw)
+    resumed = train.train(base / "resumed", 16, **kw)
     return full, stopped, resumed, base
 
 
 def test_smoke_training_lowers_loss_and_resumes_exactly(smoke_runs):
     full, stopped, resumed, base = smoke_runs
     assert full["start"] == 0 and full["last_loss"] < full["first_loss"] - 1.0, full
-    assert stopped["stopped_at"] == 10 and resumed["start"] == 10
+    assert stopped["stopped_at"] == 8 and resumed["start"] == 8
     steps = sorted(int(p.name) for p in (base / "resumed" / "checkpoints").iterdir() if p.name.isdigit())
-    assert steps == [15, 20]  # max_to_keep=2
+    assert steps == [12, 16]  # max_to_keep=2
     jax.tree.map(np.testing.assert_array_equal, full["final_params"], resumed["final_params"])
 
 
@@ -259,7 +261,7 @@ def test_greedy_pieces_equals_generate():
 
     cfg = _two_layer(False)
     params = build_params(cfg, train.init_tensors(cfg, 3, init_std=0.3), jnp.asarray)
-    ids = np.random.default_rng(0).integers(0, 297, 40).tolist()  # prefilled as pieces of 32 and 8
+    ids = np.random.default_rng(0).integers(0, 297, 33).tolist()  # prefilled as pieces of 32 and 1
     ref = generate(params, cfg, ids, SamplingParams(max_tokens=8), eos_token_ids=(299,))
     got = train.greedy_pieces(params, cfg, ids, 8, (299,), 256)
     assert got == ref.output_ids and len(set(got)) > 1

@@ -218,10 +218,10 @@ def train_logits(params: dict, cfg: ModelConfig, tokens: jax.Array, remat: bool 
     return (x @ lm_head).astype(jnp.float32).reshape(B, T, -1)
 
 
-def loss_fn(params, cfg: ModelConfig, tokens, mask, compute_dtype):
+def loss_fn(params, cfg: ModelConfig, tokens, mask, compute_dtype, remat: bool = True):
     """Mean cross-entropy over answer tokens (mask on the predicted token), and their accuracy."""
     p = jax.tree.map(lambda a: a.astype(compute_dtype), params)
-    logits = train_logits(p, cfg, tokens)[:, :-1]
+    logits = train_logits(p, cfg, tokens, remat)[:, :-1]
     targets, m = tokens[:, 1:], mask[:, 1:].astype(jnp.float32)
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
@@ -468,10 +468,10 @@ def make_train_state(params, lr: float, steps: int, warmup: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _step_fn(cfg: ModelConfig, cdtype):
+def _step_fn(cfg: ModelConfig, cdtype, remat: bool):
     @partial(jax.jit, donate_argnums=(0,))
     def step_fn(state, tokens, mask):
-        (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, cfg, tokens, mask, cdtype)
+        (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, cfg, tokens, mask, cdtype, remat)
         return state.apply_gradients(grads=grads), loss, acc
 
     return step_fn
@@ -521,7 +521,7 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
     log(f"model {config['model_type']}: {n_params / 1e6:.2f}M params ({2 * n_params / 2**20:.1f} MiB as bf16), "
         f"backend {jax.default_backend()}, compute {cdtype.name}, steps {start}..{steps}")
 
-    step_fn = _step_fn(cfg, cdtype)
+    step_fn = _step_fn(cfg, cdtype, not smoke)  # smoke: short sequences, no need to rematerialise
     bks = buckets(smoke, batch_tokens)
     end = min(steps, stop_at) if stop_at is not None else steps
     def batch(s):
@@ -585,6 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-tokens", type=int, help="padded tokens per step (default 16384; smoke 2048)")
     ap.add_argument("--warmup", type=int)
     ap.add_argument("--curriculum", type=float, default=0.25, help="fraction of steps before long needles join")
+    ap.add_argument("--kinds", nargs="+", choices=tasks.KINDS, help="train on these task kinds only")
     ap.add_argument("--ckpt-every", type=int, default=200)
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), help="compute dtype (default bf16 on GPU)")
@@ -599,7 +600,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     summary = train(args.out, args.steps, smoke=args.smoke, moe_variant=args.moe, seed=args.seed, lr=args.lr,
                     batch_tokens=args.batch_tokens, ckpt_every=args.ckpt_every, warmup=args.warmup,
-                    curriculum=args.curriculum, log_every=args.log_every, compute_dtype=args.dtype)
+                    curriculum=args.curriculum, log_every=args.log_every, compute_dtype=args.dtype,
+                    kinds=tuple(args.kinds) if args.kinds else None)
     summary.pop("final_params")
     summary["train_wall_s"] = time.perf_counter() - t0
     print(json.dumps({"train": summary}), flush=True)
