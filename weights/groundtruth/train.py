@@ -21,10 +21,11 @@ What it does, in order:
 
 The forward of training (``train_logits``) is the decoder stack of ``jaxserve.models.decoder``
 built from the same layer functions (``rms_norm``, ``attention_in``/``attention_out``, ``mlp``,
-``moe``, ``gated_deltanet``), with one difference: full attention is a dense causal softmax over the
-[B, T] batch instead of the paged online-softmax backend, whose key-block loop has a data-dependent
-trip count and so cannot be reverse-differentiated. Tests check ``train_logits`` against
-``decoder.forward``.
+``moe``, the GDN projections / conv / gated norm), with two training backends: full attention is a
+dense causal softmax over the [B, T] batch (the paged backend's key-block loop has a data-dependent
+trip count, which reverse-mode autodiff rejects), and the delta rule is a per-sequence chunked form
+(``_delta_rule_train``; the serving reference's ragged grid needs O(T^2) memory in its gradient).
+Tests check ``train_logits`` against ``decoder.forward``.
 
 Batches: no packing; each step takes one length bucket (kind, T, B) with about the same number of
 tokens (B*T ~ ``--batch-tokens``), rows right-padded. Curriculum: during the first
