@@ -24,23 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-
-# Qwen2/Qwen3's pre-tokenisation regex (from their tokenizer.json).
-QWEN_PRETOKENIZE_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-# Qwen-style ChatML template (the shape of Qwen2.5's, without tools).
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
-    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
-    "{% endif %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+from weights.chatml import CHAT_TEMPLATE, QWEN_PRETOKENIZE_REGEX, SPECIAL_TOKENS
 
 CORPUS = """\
 The quick brown fox jumps over the lazy dog. The dog sleeps in the sun, and the fox runs into the

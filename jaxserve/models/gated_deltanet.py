@@ -87,28 +87,41 @@ def _store(pool: jax.Array, layer: int, r: Ragged, final: jax.Array, snaps: jax.
     return pool.at[layer, r.snap_dst].set(snaps.astype(pool.dtype))
 
 
+def project(p: dict, cfg: ModelConfig, x: jax.Array):
+    """The input projections of x [T, H]: ``mixed`` [T, conv_dim] (q, k, v before the short conv),
+    ``z`` [T, Hv, dv] (the output gate), ``beta`` [T, Hv] and the log-decay ``g`` [T, Hv], both fp32."""
+    T = x.shape[0]
+    mixed = linear(x, p["in_proj_qkv"])
+    z = linear(x, p["in_proj_z"]).reshape(T, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
+    beta = jax.nn.sigmoid(linear(x, p["in_proj_b"]).astype(jnp.float32))
+    a = linear(x, p["in_proj_a"]).astype(jnp.float32)
+    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a + p["dt_bias"].astype(jnp.float32))
+    return mixed, z, beta, g
+
+
+def split_qkv(cfg: ModelConfig, mixed: jax.Array):
+    """Split the conv output [T, conv_dim] into q, k [T, Hk, dk] and v [T, Hv, dv]."""
+    T, kd = mixed.shape[0], cfg.linear_key_dim
+    q = mixed[:, :kd].reshape(T, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
+    k = mixed[:, kd : 2 * kd].reshape(T, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
+    v = mixed[:, 2 * kd :].reshape(T, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
+    return q, k, v
+
+
+def output(p: dict, cfg: ModelConfig, o: jax.Array, z: jax.Array) -> jax.Array:
+    """Gated RMSNorm of the delta-rule output o [T, Hv, dv] with z, then out_proj -> [T, H]."""
+    o = gated_rms_norm(o, z, p["norm"], cfg.rms_norm_eps)
+    return linear(o.reshape(o.shape[0], -1), p["out_proj"])
+
+
 def gated_deltanet(p: dict, cfg: ModelConfig, x: jax.Array, r: Ragged, conv_pool: jax.Array, rec_pool: jax.Array,
                    layer: int, decode: bool):
     """x [T, H] ragged (see ``Ragged``); ``layer`` indexes this layer in the slot pools; ``decode``
     (static) means every row has exactly one token, in row order. Returns (y, conv_pool, rec_pool)."""
-    T = x.shape[0]
-    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    mixed = linear(x, p["in_proj_qkv"])
-    z = linear(x, p["in_proj_z"]).reshape(T, hv, dv)
-    beta = jax.nn.sigmoid(linear(x, p["in_proj_b"]).astype(jnp.float32))
-    a = linear(x, p["in_proj_a"]).astype(jnp.float32)
-    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a + p["dt_bias"].astype(jnp.float32))
-
-    conv0 = _initial(conv_pool, layer, r)
-    mixed, conv_final, conv_snaps = _short_conv(mixed, p["conv_w"], conv0, r, decode)
-    kd = cfg.linear_key_dim
-    q = mixed[:, :kd].reshape(T, hk, dk)
-    k = mixed[:, kd : 2 * kd].reshape(T, hk, dk)
-    v = mixed[:, 2 * kd :].reshape(T, hv, dv)
+    mixed, z, beta, g = project(p, cfg, x)
+    mixed, conv_final, conv_snaps = _short_conv(mixed, p["conv_w"], _initial(conv_pool, layer, r), r, decode)
+    q, k, v = split_qkv(cfg, mixed)
     o, rec_final, rec_snaps = _delta_rule(q, k, v, g, beta, _initial(rec_pool, layer, r), r, decode)
-
     conv_pool = _store(conv_pool, layer, r, conv_final, conv_snaps)
     rec_pool = _store(rec_pool, layer, r, rec_final, rec_snaps)
-    o = gated_rms_norm(o, z, p["norm"], cfg.rms_norm_eps)
-    return linear(o.reshape(T, hv * dv), p["out_proj"]), conv_pool, rec_pool
+    return output(p, cfg, o, z), conv_pool, rec_pool

@@ -15,26 +15,10 @@ import json
 import os
 from pathlib import Path
 
+from weights.chatml import CHAT_TEMPLATE, QWEN_PRETOKENIZE_REGEX, SPECIAL_TOKENS
 from weights.groundtruth import tasks
 
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 DEFAULT_VOCAB = 1024
-
-# Qwen2/Qwen3's pre-tokenisation regex (digits split one by one).
-QWEN_PRETOKENIZE_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-# Qwen-style ChatML (Qwen2.5's shape without tools): a default system prompt when none is given.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
-    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
-    "{% endif %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 
 TOKENIZER_CONFIG = {
     "backend": "tokenizers",

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import queue
 import random
 import shutil
@@ -54,10 +53,10 @@ import ml_dtypes
 import numpy as np
 
 from jaxserve.config import LINEAR_ATTENTION, ModelConfig
-from jaxserve.models import decoder
-from jaxserve.models.layers import attention_in, attention_out, gated_rms_norm, linear, mlp, moe, rms_norm
-from pallas_kernels.conv1d_reference import causal_conv1d_prefill
+from jaxserve.models import decoder, gated_deltanet
+from jaxserve.models.layers import attention_in, attention_out, mlp, moe, rms_norm
 from jaxserve.models.params import build_params, hf_shapes
+from pallas_kernels.conv1d_reference import causal_conv1d_prefill
 from weights.groundtruth import tasks
 from weights.groundtruth import tokenizer as gt_tokenizer
 
@@ -171,24 +170,12 @@ def _delta_rule_train(q, k, v, g, beta, C: int = 64):
 
 
 def _gdn_train(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    """``gated_deltanet.gated_deltanet`` for one fresh sequence x [T, H] (same projections, conv
+    """``gated_deltanet.gated_deltanet`` for one fresh sequence x [T, H] (the same projections, conv
     and gated norm), with ``_delta_rule_train`` as the delta-rule backend."""
-    T = x.shape[0]
-    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    mixed = linear(x, p["in_proj_qkv"])
-    z = linear(x, p["in_proj_z"]).reshape(T, hv, dv)
-    beta = jax.nn.sigmoid(linear(x, p["in_proj_b"]).astype(jnp.float32))
-    a = linear(x, p["in_proj_a"]).astype(jnp.float32)
-    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a + p["dt_bias"].astype(jnp.float32))
-    mixed, _, _ = causal_conv1d_prefill(mixed, p["conv_w"], cu_seqlens=jnp.asarray([0, T], jnp.int32))
-    kd = cfg.linear_key_dim
-    q = mixed[:, :kd].reshape(T, hk, dk)
-    k = mixed[:, kd: 2 * kd].reshape(T, hk, dk)
-    v = mixed[:, 2 * kd:].reshape(T, hv, dv)
-    o = _delta_rule_train(q, k, v, g, beta)
-    o = gated_rms_norm(o, z, p["norm"], cfg.rms_norm_eps)
-    return linear(o.reshape(T, hv * dv), p["out_proj"])
+    mixed, z, beta, g = gated_deltanet.project(p, cfg, x)
+    mixed, _, _ = causal_conv1d_prefill(mixed, p["conv_w"], cu_seqlens=jnp.asarray([0, x.shape[0]], jnp.int32))
+    q, k, v = gated_deltanet.split_qkv(cfg, mixed)
+    return gated_deltanet.output(p, cfg, _delta_rule_train(q, k, v, g, beta), z)
 
 
 def train_logits(params: dict, cfg: ModelConfig, tokens: jax.Array, remat: bool = True) -> jax.Array:
