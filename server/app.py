@@ -309,12 +309,7 @@ def create_app(async_engine: AsyncEngine, served_model_name: str, api_key: str |
             return {"tokens": toks, "token_logprobs": list(lps), "text_offset": offsets,
                     "top_logprobs": [{t: lp} for t, lp in zip(toks, lps)] if body.logprobs else None}
 
-        def chunk(choices: list, usage_obj: dict | None = None, with_usage: bool = False) -> dict:
-            obj = {"id": cid, "object": "text_completion", "created": created, "model": served_model_name,
-                   "system_fingerprint": None, "choices": choices}
-            if with_usage:
-                obj["usage"] = usage_obj
-            return obj
+        chunk = _response_builder("text_completion", cid, created, served_model_name)
 
         if not body.stream:
             final = await collect(request, q, rid)
@@ -399,21 +394,15 @@ def create_app(async_engine: AsyncEngine, served_model_name: str, api_key: str |
                 content.append(entry)
             return {"content": content}
 
-        def chunk(choices: list, usage_obj: dict | None = None, with_usage: bool = False) -> dict:
-            obj = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": served_model_name,
-                   "system_fingerprint": None, "choices": choices}
-            if with_usage:
-                obj["usage"] = usage_obj
-            return obj
+        chunk = _response_builder("chat.completion.chunk", cid, created, served_model_name)
 
         if not body.stream:
             final = await collect(request, q, rid)
             choice = {"index": 0, "message": {"role": "assistant", "content": final.text},
                       "logprobs": logprobs_obj(final.output_ids, final.logprobs) if body.logprobs else None,
                       "finish_reason": final.finish_reason}
-            return {"id": cid, "object": "chat.completion", "created": created, "model": served_model_name,
-                    "system_fingerprint": None, "choices": [choice],
-                    "usage": usage(len(prompt_ids), len(final.output_ids), final.cached_tokens)}
+            return _response_builder("chat.completion", cid, created, served_model_name)(
+                [choice], usage(len(prompt_ids), len(final.output_ids), final.cached_tokens), True)
 
         include_usage = body.include_usage()
 
@@ -471,6 +460,20 @@ class _TextCursor:
         end = len(out.text) if out.finished else max(self.sent, len(out.text) - self.holdback)
         piece, self.sent = out.text[self.sent:end], end
         return piece
+
+
+def _response_builder(kind: str, cid: str, created: int, model: str) -> Callable[..., dict]:
+    """OpenAI's response envelope for one request: ``build(choices, usage, with_usage)``. The usage
+    key appears only when asked for (a streamed usage chunk carries it, other chunks do not)."""
+
+    def build(choices: list, usage_obj: dict | None = None, with_usage: bool = False) -> dict:
+        obj = {"id": cid, "object": kind, "created": created, "model": model, "system_fingerprint": None,
+               "choices": choices}
+        if with_usage:
+            obj["usage"] = usage_obj
+        return obj
+
+    return build
 
 
 def _stream_response(gen: AsyncIterator[str], on_close: Callable[[], None]) -> StreamingResponse:
