@@ -8,6 +8,12 @@ mismatches, leaks (the invariant check after every step, pools free after a flus
 share, the cost of the barriers at hit admission and donation, and step times.
 
     python benchmarks/engine_hammer.py --out results.json [--rounds 6] [--time-budget 300]
+        [--dtype float32 --precision highest] [--control]
+
+``--control`` flushes the cache before each round, so the repeated prompt is served cold in the same
+busy batches a hit would see: the divergences it reports are what batch composition alone does
+(the rounding floor), to compare hit-vs-cold divergences against. In fp32 at highest matmul
+precision a hit must equal the cold answer exactly.
 """
 
 from __future__ import annotations
@@ -65,17 +71,24 @@ def main() -> None:
     ap.add_argument("--time-budget", type=float, default=300.0, help="stop starting rounds after this many seconds")
     ap.add_argument("--prompt-len", type=int, default=1200)
     ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    ap.add_argument("--precision", choices=("default", "highest"), default="default",
+                    help="jax_default_matmul_precision (highest: fp32 matmuls without TF32/bf16 passes)")
+    ap.add_argument("--control", action="store_true",
+                    help="flush the cache before each round: cold-in-a-busy-batch vs cold-alone (the rounding floor)")
     ap.add_argument("--smoke", action="store_true", help="a tiny model and short prompts: checks the script on a CPU")
     args = ap.parse_args()
+    if args.precision == "highest":
+        jax.config.update("jax_default_matmul_precision", "highest")
     config = dict(MID_QWEN3_5)
     if args.smoke:
         config.update(hidden_size=64, intermediate_size=96, num_attention_heads=4, head_dim=16, linear_key_head_dim=16,
                       linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, vocab_size=512)
     t_start = time.perf_counter()
     rng = random.Random(0)
-    folder = write_random_checkpoint(config, Path(tempfile.mkdtemp()) / "mid-qwen3_5", dtype="bfloat16", seed=0,
+    folder = write_random_checkpoint(config, Path(tempfile.mkdtemp()) / "mid-qwen3_5", dtype=args.dtype, seed=0,
                                      init_std=0.5)
-    engine = build_engine(EngineArgs(model=str(folder), dtype="bfloat16", page_size=16, max_prefill_length=1024,
+    engine = build_engine(EngineArgs(model=str(folder), dtype=args.dtype, page_size=16, max_prefill_length=1024,
                                      max_running_requests=16, mem_fraction=0.3, debug_snapshot_checksums=True,
                                      num_pages=2048 if args.smoke else None, num_slots=96 if args.smoke else None))
     sched = engine.scheduler
@@ -119,6 +132,8 @@ def main() -> None:
         if time.perf_counter() - t_start > args.time_budget:
             break
         i = rnd % len(bases)
+        if args.control:
+            sched.cache.flush()
         target = engine.add_request(bases[i], greedy)
         saturating = [engine.add_request([rng.randrange(vocab) for _ in range(rng.randrange(200, 700))],
                                          SamplingParams(max_tokens=48, ignore_eos=True)) for _ in range(6)]
@@ -134,6 +149,7 @@ def main() -> None:
         entry = {"round": rnd, "prompt": i, "cached_tokens": out.cached_tokens, "verdict": verdict, **detail,
                  "seconds": time.perf_counter() - t0, "saturating_done": sum(r in outs for r in saturating),
                  "aborted": sum(r not in outs for r in abandoned)}
+        assert (out.cached_tokens == 0) == args.control, "control rounds are cold, hammer rounds are hits"
         record["hits"] += int(out.cached_tokens > 0)
         record["hit_mismatches"] += int(verdict == "mismatch")
         record["hit_near_ties"] += int(verdict == "near-tie")
@@ -147,7 +163,8 @@ def main() -> None:
     adm, don = sched.admission_barriers, sched.donation_barriers
     record.update({
         "device": str(jax.devices()[0]), "date": time.strftime("%Y-%m-%d"),
-        "model": "random qwen3_5, 8 layers (6 GDN + 2 gated attention), hidden 1024, bf16",
+        "model": f"random qwen3_5, 8 layers (6 GDN + 2 gated attention), hidden 1024, {args.dtype}",
+        "matmul_precision": args.precision, "control_cold_in_batch": args.control,
         "snapshot_checksum_mismatches": engine.snapshot_checksum_mismatches,
         "leaks_after_flush": leaks,
         "cached_token_share_of_target_prompts": cached_tokens / max(1, prompt_tokens),
