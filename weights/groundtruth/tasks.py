@@ -83,9 +83,11 @@ def needle_lines(rng: random.Random, n_lines: int) -> tuple[list[str], list[tupl
     return [f"The code for {n} is {c}." for n, c in pairs], pairs
 
 
-def needle(rng: random.Random, context_tokens: int, count_tokens: Callable[[str], int] | None = None) -> list[dict]:
+def needle(rng: random.Random, context_tokens: int, count_tokens: Callable[[str], int] | None = None,
+           follow_ups: int = 0) -> list[dict]:
     """A needle conversation whose context is about ``context_tokens`` tokens (``count_tokens``
-    measures a line; without it a line counts 12 tokens, about what the shipped tokenizer gives)."""
+    measures a line; without it a line counts 12 tokens, about what the shipped tokenizer gives).
+    The probe form has ``follow_ups=0``: one user message, one answer."""
     lines: list[str] = []
     pairs: list[tuple[str, str]] = []
     total, seen = 0, set()
@@ -101,8 +103,15 @@ def needle(rng: random.Random, context_tokens: int, count_tokens: Callable[[str]
         total += count_tokens(line + "\n") if count_tokens else 12
     target, code = rng.choice(pairs)
     context = "\n".join(lines)
-    return [{"role": "user", "content": f"{context}\n\nWhat is the code for {target}?"},
+    msgs = [{"role": "user", "content": f"{context}\n\nWhat is the code for {target}?"},
             {"role": "assistant", "content": code}]
+    # Training only: more questions about the same context in later turns. Every answer is
+    # supervised, so a sequence teaches retrieval several times instead of once (a single
+    # 7-token answer per 1k-token sequence left the model at chance after 1000 needle steps).
+    for other, other_code in rng.sample(pairs, min(len(pairs), follow_ups)):
+        msgs += [{"role": "user", "content": f"What is the code for {other}?"},
+                 {"role": "assistant", "content": other_code}]
+    return msgs
 
 
 def recall(rng: random.Random, min_between: int = 1, max_between: int = 4) -> list[dict]:
@@ -119,11 +128,13 @@ def recall(rng: random.Random, min_between: int = 1, max_between: int = 4) -> li
 
 
 def example(kind: str, rng: random.Random, needle_tokens: tuple[int, int] = (1000, 4000),
-            count_tokens: Callable[[str], int] | None = None) -> list[dict]:
+            count_tokens: Callable[[str], int] | None = None, needle_follow_ups: int = 0) -> list[dict]:
+    """One conversation of ``kind``; ``needle_follow_ups`` (training) adds up to that many more
+    questions about the same needle context."""
     if kind == "arithmetic":
         return arithmetic(rng)
     if kind == "needle":
-        return needle(rng, rng.randint(*needle_tokens), count_tokens)
+        return needle(rng, rng.randint(*needle_tokens), count_tokens, rng.randint(0, needle_follow_ups))
     if kind == "recall":
         return recall(rng)
     raise ValueError(f"unknown task kind {kind!r}; have {KINDS}")

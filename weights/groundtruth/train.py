@@ -229,13 +229,17 @@ def buckets(smoke: bool, batch_tokens: int) -> list[dict]:
     if smoke:
         spec = [("arithmetic", 64, None, 0), ("recall", 256, None, 0), ("needle", 128, (30, 90), 0)]
     else:
-        spec = [("arithmetic", 64, None, 0), ("recall", 320, None, 0), ("needle", 1024, (100, 900), 0),
-                ("needle", 2048, (900, 1950), 1), ("needle", 4224, (1950, 4050), 1)]
+        spec = [("arithmetic", 64, None, 0), ("recall", 320, None, 0), ("needle", 1024, (100, 800), 0),
+                ("needle", 2048, (900, 1800), 1), ("needle", 4224, (1950, 3900), 1), ("needle", 320, (20, 120), 0)]
     return [dict(kind=k, T=T, B=max(1, batch_tokens // T), needle=nr, phase=ph) for k, T, nr, ph in spec]
 
 
 # Bucket order within a cycle (indices into buckets()); arithmetic gets the most steps.
-_CYCLE = {False: [0, 1, 0, 2, 0, 3, 1, 0, 4, 2], True: [0, 1, 0, 2]}
+# Short needles (5) come often: retrieval is learnt there first, then carried to long contexts.
+_CYCLE = {False: [0, 5, 1, 0, 2, 5, 0, 3, 1, 0, 5, 4, 0, 2], True: [0, 1, 0, 2]}
+
+# Extra questions per needle context in training (the probes ask one); each answer is supervised.
+NEEDLE_FOLLOW_UPS = 8
 
 
 def bucket_for_step(step: int, steps: int, bks: list[dict], smoke: bool, curriculum: float,
@@ -256,7 +260,7 @@ def make_batch(tok, bucket: dict, seed: int, step: int) -> tuple[np.ndarray, np.
     mask = np.zeros((B, T), np.int32)
     for b in range(B):
         while True:
-            msgs = tasks.example(bucket["kind"], rng, bucket["needle"] or (0, 0), count)
+            msgs = tasks.example(bucket["kind"], rng, bucket["needle"] or (0, 0), count, NEEDLE_FOLLOW_UPS)
             ids, m = tasks.encode(tok, msgs)
             if len(ids) <= T:
                 break
