@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import random
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +18,22 @@ CHECKPOINTS = [
     ("qwen3", "base"), ("qwen3", "untied"),
 ]
 PROMPT_LEN, NEW_TOKENS = 100, 32
+# Checkpoints we ship (name -> folder), checked against transformers the same way, on a real chat prompt.
+SHIPPED = {"default": Path(__file__).resolve().parents[1] / "weights" / "default"}
+
+
+def shipped_prompt(folder: Path) -> list[int]:
+    """PROMPT_LEN ids of a chat conversation in the shipped model's own tokenizer (a recall probe
+    followed by arithmetic turns, cut to length), so its record exercises trained behaviour."""
+    from jaxserve.tokenizer import Tokenizer
+    from weights.groundtruth import tasks
+
+    tok = Tokenizer.from_dir(folder)
+    text = "".join(tok.apply_chat_template(tasks.recall(random.Random(i)), add_generation_prompt=False)
+                   for i in range(4))
+    ids = tok.encode(text)
+    assert len(ids) >= PROMPT_LEN, len(ids)
+    return ids[:PROMPT_LEN]
 
 
 @pytest.fixture(scope="session")
@@ -23,7 +41,9 @@ def oracle_dir(tmp_path_factory):
     """One torch subprocess: writes every tiny checkpoint and its transformers record
     (prompt, greedy continuation, full-forward logits) under <dir>/<family>-<variant>/."""
     out = tmp_path_factory.mktemp("oracle")
-    spec = {"checkpoints": [{"family": f, "variant": v, "seed": i} for i, (f, v) in enumerate(CHECKPOINTS)],
+    tiny = [{"family": f, "variant": v, "seed": i} for i, (f, v) in enumerate(CHECKPOINTS)]
+    shipped = [{"name": n, "path": str(p), "prompt": shipped_prompt(p)} for n, p in SHIPPED.items()]
+    spec = {"checkpoints": tiny + shipped,
             "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS, "prompt_seed": 1234}
     (out / "spec.json").write_text(json.dumps(spec))
     run_torch("tests.reference.model_oracle", str(out / "spec.json"), str(out))

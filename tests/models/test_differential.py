@@ -21,7 +21,7 @@ import pytest
 
 from jaxserve.generate import SamplingParams, generate
 from jaxserve.models import decoder
-from tests.conftest import CHECKPOINTS, NEW_TOKENS, PROMPT_LEN
+from tests.conftest import CHECKPOINTS, NEW_TOKENS, PROMPT_LEN, SHIPPED
 from weights import load_model
 
 MAX_LEN = 160
@@ -29,11 +29,14 @@ CHUNKS = (37, 40, 23)  # cuts at 37 and 77: the middle chunk starts unaligned an
 REL_TOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=CHECKPOINTS, ids=lambda c: f"{c[0]}-{c[1]}")
+CASES = [f"{f}-{v}" for f, v in CHECKPOINTS] + list(SHIPPED)
+
+
+@pytest.fixture(scope="module", params=CASES)
 def case(request, oracle_dir):
-    folder = oracle_dir / f"{request.param[0]}-{request.param[1]}"
-    record = dict(np.load(folder / "oracle.npz"))
-    model = load_model(folder, dtype="float32", progress=False)
+    """(model, record); tiny checkpoints live next to their record, shipped ones where we ship them."""
+    record = dict(np.load(oracle_dir / request.param / "oracle.npz"))
+    model = load_model(SHIPPED.get(request.param, oracle_dir / request.param), dtype="float32", progress=False)
     return model, record
 
 

@@ -2,8 +2,10 @@
 
     python -m tests.reference.model_oracle SPEC.json OUT_DIR
 
-SPEC.json: {"checkpoints": [{"family", "variant", "seed"}], "prompt_len", "new_tokens", "prompt_seed"}.
-For each checkpoint it writes the folder with weights.tiny (OUT_DIR/<family>-<variant>), then with
+SPEC.json: {"checkpoints": [{"family", "variant", "seed"} | {"name", "path", "prompt"}], "prompt_len",
+"new_tokens", "prompt_seed"}. For each tiny checkpoint it writes the folder with weights.tiny
+(OUT_DIR/<family>-<variant>); a shipped checkpoint (``path``, e.g. the trained default model) is read
+where it is, with its own ``prompt`` ids, and its record goes to OUT_DIR/<name>. Then, with
 transformers in fp32:
 - greedy-generates ``new_tokens`` tokens from a random prompt with eos ignored (``generate``);
 - runs one full forward over prompt + generated tokens and keeps every position's logits.
@@ -37,18 +39,26 @@ def main(spec_path: str, out_dir: str) -> None:
     prompt = rng.integers(0, VOCAB - 8, size=spec["prompt_len"]).astype(np.int64)
     torch.set_grad_enabled(False)
     for ck in spec["checkpoints"]:
-        folder = Path(out_dir) / f"{ck['family']}-{ck['variant']}"
-        write(ck["family"], ck["variant"], str(folder), ck.get("seed", 0))
-        model = _causal_lm(folder).eval()
-        ids = torch.from_numpy(prompt)[None]
+        if "path" in ck:
+            folder = Path(out_dir) / ck["name"]
+            folder.mkdir(parents=True, exist_ok=True)
+            model = _causal_lm(Path(ck["path"])).eval()
+            ck_prompt = np.asarray(ck["prompt"], np.int64)
+        else:
+            folder = Path(out_dir) / f"{ck['family']}-{ck['variant']}"
+            write(ck["family"], ck["variant"], str(folder), ck.get("seed", 0))
+            model = _causal_lm(folder).eval()
+            ck_prompt = prompt
+        ids = torch.from_numpy(ck_prompt)[None]
         gen = model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=spec["new_tokens"], min_new_tokens=spec["new_tokens"],
             do_sample=False, eos_token_id=None, pad_token_id=0,
         )
         full = gen[0]
         logits = model(full[None]).logits[0].float().numpy()
-        np.savez(folder / "oracle.npz", prompt=prompt, generated=full[len(prompt):].numpy(), logits=logits)
-        print(f"{folder.name}: generated {full[len(prompt):].tolist()[:8]}...", file=sys.stderr)
+        new = full[len(ck_prompt):]
+        np.savez(folder / "oracle.npz", prompt=ck_prompt, generated=new.numpy(), logits=logits)
+        print(f"{folder.name}: generated {new.tolist()[:8]}...", file=sys.stderr)
 
 
 if __name__ == "__main__":

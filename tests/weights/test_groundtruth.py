@@ -22,7 +22,6 @@ from weights import load_model
 from weights.groundtruth import tasks, train
 from weights.groundtruth import tokenizer as gt_tokenizer
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "weights" / "default" / "config.json"
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +68,21 @@ def test_needle_exact_form_and_length(tok):
         assert q and msgs[1]["content"] == codes[q[1]] == tasks.answer_of(msgs)
         n = len(tok.encode(context))
         assert target <= n <= target + 40, (target, n)
+
+
+def test_needle_training_follow_ups_ask_about_the_same_context(tok):
+    rng = random.Random(2)
+    msgs = tasks.needle(rng, 300, _count(tok), follow_ups=5)
+    assert len(msgs) == 12 and tasks.answer_of(msgs[:2]) == msgs[1]["content"]
+    codes = dict(re.findall(r"The code for ([A-Z][a-z]+) is (\d{6})\.", msgs[0]["content"]))
+    asked = []
+    for q, a in zip(msgs[2::2], msgs[3::2]):
+        m = re.fullmatch(r"What is the code for ([A-Z][a-z]+)\?", q["content"])
+        assert q["role"] == "user" and a["role"] == "assistant" and m and codes[m[1]] == a["content"]
+        asked.append(m[1])
+    assert len(set(asked)) == 5
+    # probes keep the one-question form
+    assert all(len(p.messages) == 1 for p in tasks.probes(3, needle_tokens=(100, 200)) if p.kind == "needle")
 
 
 def test_recall_exact_form():
@@ -227,7 +241,7 @@ def test_smoke_training_lowers_loss_and_resumes_exactly(smoke_runs):
     jax.tree.map(np.testing.assert_array_equal, full["final_params"], resumed["final_params"])
 
 
-def test_smoke_export_is_exact_and_transformers_shaped(smoke_runs):
+def test_smoke_export_is_exact_and_transformers_shaped(smoke_runs, oracle_dir):
     full, _, _, _ = smoke_runs
     out = Path(full["export"])
     loaded = load_model(out, dtype="float32", progress=False)  # raises on any unexpected tensor
@@ -242,14 +256,16 @@ def test_smoke_export_is_exact_and_transformers_shaped(smoke_runs):
     a, _ = decoder.forward(loaded.params, cfg, tokens, pos, decoder.init_state(cfg, 1, 64, jnp.float32))
     b, _ = decoder.forward(rounded, cfg, tokens, pos, decoder.init_state(cfg, 1, 64, jnp.float32))
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    # config.json: every key transformers wrote for the default qwen3_5_text model, same types
+    # config.json: every key transformers' save_pretrained writes for a qwen3_5_text model, same types
+    # (transformers loading the shipped export is tests/models/test_differential.py's "default" case)
     ours = json.loads((out / "config.json").read_text())
-    ref = json.loads(DEFAULT_CONFIG.read_text())
+    ref = json.loads((oracle_dir / "qwen3_5-dense" / "config.json").read_text())
     assert set(ref) <= set(ours), set(ref) - set(ours)
     for k, v in ref.items():
         assert type(ours[k]) is type(v) or v is None or ours[k] is None, k
     assert ours["model_type"] == "qwen3_5_text" and ours["architectures"] == ["Qwen3_5ForCausalLM"]
-    assert ours["dtype"] == "bfloat16" and ours["eos_token_id"] == ref["eos_token_id"] + 1024 - 512
+    im_end = Tokenizer.from_dir(out).token_to_id("<|im_end|>")
+    assert ours["dtype"] == "bfloat16" and ours["eos_token_id"] == im_end
     gen = json.loads((out / "generation_config.json").read_text())
     assert gen["eos_token_id"] == ours["eos_token_id"] and gen["do_sample"] is False
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):

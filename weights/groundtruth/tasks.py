@@ -134,7 +134,10 @@ def example(kind: str, rng: random.Random, needle_tokens: tuple[int, int] = (100
     if kind == "arithmetic":
         return arithmetic(rng)
     if kind == "needle":
-        return needle(rng, rng.randint(*needle_tokens), count_tokens, rng.randint(0, needle_follow_ups))
+        context = rng.randint(*needle_tokens)
+        # no draw for probes (follow-ups 0): the held-out stream does not depend on the training option
+        follow = rng.randint(0, needle_follow_ups) if needle_follow_ups else 0
+        return needle(rng, context, count_tokens, follow)
     if kind == "recall":
         return recall(rng)
     raise ValueError(f"unknown task kind {kind!r}; have {KINDS}")

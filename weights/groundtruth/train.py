@@ -29,8 +29,9 @@ Tests check ``train_logits`` against ``decoder.forward``.
 
 Batches: no packing; each step takes one length bucket (kind, T, B) with about the same number of
 tokens (B*T ~ ``--batch-tokens``), rows right-padded. Curriculum: during the first
-``--curriculum`` fraction of steps only the short needle bucket (contexts of 100-900 tokens) is
-used; then the 1k-2k and 2k-4k context buckets join.
+``--curriculum`` fraction of steps only the short needle buckets (contexts of 20-120 and 100-800
+tokens) are used; then the 1k-2k and 2k-4k context buckets join. Needle conversations carry up to
+``NEEDLE_FOLLOW_UPS`` extra questions about the same context.
 """
 
 from __future__ import annotations
