@@ -65,9 +65,10 @@ def _smem_transforms(dtype):
 
 
 def _kernel(layer_ref, tiles_ref, pt_ref, q_ref, kp_ref, vp_ref, acc_ref, m_ref, l_ref,
-            q_smem, k_smem, v_smem, p_smem, o_smem, m_smem, l_smem, q_bar, k_bars, v_bars,
+            q_smem, ring_union, p_smem, m_smem, l_smem, q_bar, k_bars, v_bars,
             *, group, page_size, stages, num_splits, window, scale, interpret):
     """One (query tile, kv head, split): online softmax over the split's key blocks."""
+    (k_smem, v_smem), o_smem = ring_union  # the output tile reuses the K/V ring after the loop
     i = lax.axis_index("tile")
     h = lax.axis_index("kvh")
     s = lax.axis_index("split")
@@ -235,8 +236,9 @@ def default_num_splits(programs: int, max_blocks: int, num_sms: int, min_blocks_
 
 
 def default_stages(head_dim: int, itemsize: int) -> int:
-    """SMEM ring depth: 3 buffers of K+V for head_dim 128 (96 KiB bf16), 2 for 256 (128 KiB), so
-    Q (16/32 KiB), P and the output tile still fit in the 227 KiB of an H100/H200 SM."""
+    """SMEM ring depth: 3 buffers of K+V for head_dim 128 (96 KiB bf16; 120 KiB in all with Q and
+    P), 2 for 256 (128 KiB; 168 KiB in all), within the 227 KiB of an H100/H200 SM. (The fp32
+    output tile shares the ring's memory.) Untuned: no GPU run yet."""
     return 3 if head_dim * itemsize <= 256 else 2
 
 
@@ -308,10 +310,15 @@ def paged_attention_read(q, k_pool, v_pool, layer, r, window=None, *, num_splits
     dt = k_pool.dtype
     scratch = [
         plgpu.SMEM((ROWS, hd), dt, transforms=_smem_transforms(dt)),
-        plgpu.SMEM((stages, KEY_BLOCK, hd), dt, transforms=_smem_transforms(dt)),
-        plgpu.SMEM((stages, KEY_BLOCK, hd), dt, transforms=_smem_transforms(dt)),
+        # K/V ring and the fp32 output tile share SMEM: the tile is written after the last block's
+        # WGMMAs completed and no copy is in flight (every issued block was waited for). Without the
+        # union, head_dim 256 would need 232 KiB (> the 227 KiB an SM offers).
+        plgpu.RefUnion(
+            (plgpu.SMEM((stages, KEY_BLOCK, hd), dt, transforms=_smem_transforms(dt)),
+             plgpu.SMEM((stages, KEY_BLOCK, hd), dt, transforms=_smem_transforms(dt))),
+            plgpu.SMEM((ROWS, hd), jnp.float32, transforms=_smem_transforms(jnp.float32)),
+        ),
         plgpu.SMEM((ROWS, KEY_BLOCK), dt, transforms=_smem_transforms(dt)),
-        plgpu.SMEM((ROWS, hd), jnp.float32),
         plgpu.SMEM((ROWS,), jnp.float32),
         plgpu.SMEM((ROWS,), jnp.float32),
         plgpu.Barrier(),
