@@ -29,6 +29,7 @@ import numpy as np  # noqa: E402
 from pallas_kernels.gdn_decode import gdn_decode  # noqa: E402
 from pallas_kernels.gdn_reference import gdn_recurrent  # noqa: E402
 from pallas_kernels.kda_reference import kda_recurrent  # noqa: E402
+from pallas_kernels.paged_attention import attention_np, paged_attention, random_paged_batch  # noqa: E402
 
 # Qwen3-Next / Qwen3.5 GDN layers and Kimi-Linear KDA layers (transformers' config defaults).
 MODELS = {"gdn": dict(Hk=16, Hv=32, dk=128, dv=128), "kda": dict(Hk=32, Hv=32, dk=128, dv=128)}
@@ -123,12 +124,98 @@ def check_decode(kind, B, dtype, seed, interpret=False, variant="simple", jnp_ch
     return res
 
 
+# Paged attention (pallas_kernels/paged_attention.py) at Qwen3.5-like full-attention shapes: 16 q
+# heads, 2 kv heads (GQA 8), head_dim 256, bf16. Cases: (name, batch, context range, new tokens
+# per row, page size, num_splits (None: the kernel's default)). Each row's length is random in the
+# range, with edges: one row ends exactly on a 64 boundary, one on a page boundary.
+PA_MODEL = dict(nh=16, nkv=2, hd=256)
+PA_CASES = [
+    ("decode", 64, (3000, 4096), 1, 16, None),
+    ("decode", 64, (3000, 4096), 1, 64, None),
+    ("decode", 1, (32768, 32768), 1, 16, None),
+    ("decode", 1, (30000, 32768), 1, 64, None),
+    ("decode", 1, (32768, 32768), 1, 16, 1),  # no split: the split-K merge against the plain path
+    ("extend", 4, (0, 4096), 200, 16, None),
+]
+PA_ORACLE_TOKENS = 64  # tokens checked against float64 (tokens are independent)
+PA_TOL = 1e-2  # bf16 operands and output (METHOD.md: bf16 lands between 1e-3 and 1e-2)
+
+
+def check_paged_attention(name, B, ctx_range, new, page_size, num_splits, seed, interpret=False):
+    from jaxserve.models.layers import Ragged
+    from jaxserve.models.layers import paged_attention as paged_attention_jnp
+
+    rng = np.random.default_rng(seed)
+    m = dict(nh=4, nkv=1, hd=128) if interpret else PA_MODEL
+    lo, hi = ctx_range
+    total = rng.integers(lo, hi + 1, B)
+    if B >= 4:
+        total[0], total[1] = hi // 64 * 64, hi // 64 * 64 - 64 + page_size  # 64 boundary, page boundary
+    if name == "extend":  # rows of new tokens: a prefill from 0, chunks over context, a decode row
+        new_b = [new, new // 2 + 7, new + 13, 1][:B] + [new] * max(0, B - 4)
+        ctx = [0] + [max(0, int(t) - n) for t, n in zip(total[1:], new_b[1:])]
+    else:
+        new_b = [new] * B
+        ctx = [int(t) - new for t in total]
+    x, ragged = random_paged_batch(rng, ctx, new_b, page_size=page_size, layers=2, pad_tokens=3, **m)
+    x = {n: np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32)) for n, a in x.items()}  # round once
+    z = jnp.zeros(1, jnp.int32)
+    r = Ragged(**{n: jnp.asarray(a) for n, a in ragged.items()}, read_slot=z, write_slot=z, snap_seq=z,
+               snap_len=z, snap_dst=z)
+    xd = {n: jnp.asarray(a, jnp.bfloat16) for n, a in x.items()}
+    args = (xd["q"], xd["k"], xd["v"], xd["k_pool"], xd["v_pool"])
+    kernel = jax.jit(lambda q, k, v, kp, vp, r: paged_attention(
+        q, k, v, kp, vp, 1, r, None, num_splits=num_splits, decode=name == "decode", interpret=interpret))
+    t0 = time.perf_counter()
+    o, kp, vp = jax.block_until_ready(kernel(*args, r))
+    first_call_s = time.perf_counter() - t0
+    o2, _, _ = kernel(*args, r)
+    real = np.flatnonzero(ragged["seq"] < B)
+    o, o2 = np.asarray(o.astype(jnp.float32)), np.asarray(o2.astype(jnp.float32))
+    o_jnp, kp_jnp, vp_jnp = jax.jit(lambda q, k, v, kp, vp, r: paged_attention_jnp(q, k, v, kp, vp, 1, r, None))(
+        *args, r)
+    o_jnp = np.asarray(o_jnp.astype(jnp.float32))
+    pools_identical = bool(np.array_equal(np.asarray(kp), np.asarray(kp_jnp))
+                           and np.array_equal(np.asarray(vp), np.asarray(vp_jnp)))
+    del kp_jnp, vp_jnp
+    sub = real if len(real) <= PA_ORACLE_TOKENS else np.sort(rng.choice(real, PA_ORACLE_TOKENS, replace=False))
+    kp32, vp32 = (np.asarray(a[1].astype(jnp.float32)) for a in (kp, vp))  # layer 1 only
+    o64 = attention_np(x["q"], kp32[None], vp32[None], 0, ragged, tokens=sub)
+    res = dict(kernel=f"paged_attn_{name}", variant="paged", B=B, dtype="bfloat16", seed=seed,
+               shape=f"nh={m['nh']} nkv={m['nkv']} hd={m['hd']} page={page_size} ctx={lo}..{hi} new={new}",
+               num_splits=num_splits, tokens=len(real), oracle_tokens=len(sub),
+               o_rel_err=rel(o[sub], o64), o_rel_err_vs_jnp=rel(o[real], o_jnp[real]),
+               state_rel_err=0.0 if pools_identical else 1.0, pools_identical_to_jnp=pools_identical,
+               finite=bool(np.isfinite(o).all()), padding_zero=bool((o[len(real):] == 0).all()),
+               deterministic=bool(np.array_equal(o, o2)), first_call_s=round(first_call_s, 2))
+    res["ok"] = bool(res["finite"] and res["deterministic"] and pools_identical and res["padding_zero"]
+                     and res["o_rel_err"] < PA_TOL and res["o_rel_err_vs_jnp"] < PA_TOL)
+    return res
+
+
+def paged_attention_checks(interpret=False):
+    """Every PA_CASES case, one record each; a case that raises is recorded as an error."""
+    cases = PA_CASES
+    if interpret:  # CPU smoke run: tiny contexts
+        cases = [("decode", 2, (60, 200), 1, 16, 2), ("extend", 2, (60, 200), 40, 16, None)]
+    for seed, (name, B, ctx_range, new, ps, splits) in enumerate(cases, 101):
+        try:
+            r = check_paged_attention(name, B, ctx_range, new, ps, splits, seed, interpret)
+        except Exception as e:  # keep going: one broken case must not hide the others
+            r = dict(kernel=f"paged_attn_{name}", variant="paged", B=B, dtype="bfloat16", ok=False,
+                     shape=f"page={ps} ctx={ctx_range} new={new} splits={splits}",
+                     error=f"{type(e).__name__}: {str(e)[:2000]}")
+        yield r
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--batches", default="1,64,256,512")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke run of this script (slow: use --batches 1)")
+    ap.add_argument("--suites", default="decode,paged_attention", help="decode (GDN/KDA), paged_attention")
     args = ap.parse_args()
+    suites = args.suites.split(",")
     print(jax.devices())
     os.makedirs(args.out, exist_ok=True)
     log = open(os.path.join(args.out, "gpu_check.jsonl"), "w")  # one line per case, as it finishes
@@ -138,6 +225,8 @@ def main():
             for variant in ("simple", "persistent") for kind in ("gdn", "kda")
             if variant == "simple" or B != 256 or len(batches) == 1]
     plan += [("simple", kind, 64, jnp.float32, True) for kind in ("gdn", "kda") if 64 in batches]
+    if "decode" not in suites:
+        plan = []
     results = []
     for seed, (variant, kind, B, dtype, jnp_check) in enumerate(plan, 1):
         try:
@@ -145,6 +234,11 @@ def main():
         except Exception as e:  # keep going: one broken case must not hide the others
             r = dict(kernel=f"{kind}_decode", variant=variant, B=B, dtype=jnp.dtype(dtype).name, ok=False,
                      error=f"{type(e).__name__}: {str(e)[:2000]}")
+        results.append(r)
+        print(json.dumps(r), flush=True)
+        log.write(json.dumps(r) + "\n")
+        log.flush()
+    for r in (paged_attention_checks(args.interpret) if "paged_attention" in suites else ()):
         results.append(r)
         print(json.dumps(r), flush=True)
         log.write(json.dumps(r) + "\n")

@@ -67,6 +67,8 @@ def decode_cases(quick=False):
 
 def case_key(case):
     m = case
+    if m.get("suite") == "paged_attention":
+        return paged_case_key(m)
     return (f"{m['kind']}_decode", f"B={m['B']} Hk={m['Hk']} Hv={m['Hv']} dk={m['dk']} dv={m['dv']} ({m['model']})")
 
 
@@ -187,13 +189,14 @@ OURS_VARIANTS = {
     "persistent_s3_bdv64": dict(persistent=True, stages=3, block_dv=64, blocks_per_sm=2),
 }
 CHECKED_AS = {"simple_bdv128": "simple", "simple_bdv64": "simple", "persistent_s3_bdv64": "persistent"}
+CHECKED_AS["paged"] = "paged"  # the paged-attention kernel (gpu_check rows with variant "paged")
 
 
 def checked_variants(out_dir):
     """Variants the GPU check passed in this run (all when no check ran, e.g. a local smoke run)."""
     path = os.path.join(out_dir, "gpu_check.jsonl")
     if not os.path.exists(path):
-        return set(OURS_VARIANTS)
+        return set(OURS_VARIANTS) | set(CHECKED_AS)
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     ok = {v for v in set(CHECKED_AS.values())
@@ -387,14 +390,122 @@ def run_peers(cases, budget_s=80):
 # ------------------------------------------------------------------------------------------------
 
 
+# ------------------------------------------------------------------------------------------------
+# Paged attention decode (pallas_kernels/paged_attention.py)
+# ------------------------------------------------------------------------------------------------
+
+# Qwen3.5-like full-attention layers: 16 q heads, 2 kv heads (GQA 8), head_dim 256, bf16 pools,
+# the engine's page size (16). One new token per row, its row's context ``ctx`` keys long.
+# Roofline: the K+V bytes a step must read (B * ctx * nkv * hd * 2 bytes * 2) over the measured
+# copy bandwidth (the H200's is about 4.0e12 B/s). No peer kernel is timed for this suite.
+PAGED_MODEL = dict(model="Qwen3.5-like", nh=16, nkv=2, hd=256, page_size=16)
+PAGED_CONTEXTS = (4096, 32768, 131072)
+PAGED_BATCHES = (1, 64)
+PAGED_L2_BYTES = 256 << 20  # a chain cycles through layers until it has read this much (L2: 60 MB)
+if os.environ.get("KERNELS_SMOKE"):
+    PAGED_MODEL = dict(PAGED_MODEL, nh=4, nkv=1, hd=128)
+    PAGED_CONTEXTS, PAGED_BATCHES, PAGED_L2_BYTES = (128,), (1, 2), 1 << 20
+
+
+def paged_cases(quick=False):
+    contexts = PAGED_CONTEXTS[:2] if quick else PAGED_CONTEXTS
+    return [dict(suite="paged_attention", kind="paged_decode", B=B, ctx=ctx, **PAGED_MODEL)
+            for ctx in contexts for B in PAGED_BATCHES]
+
+
+def paged_case_key(m):
+    return ("paged_attn_decode",
+            f"B={m['B']} ctx={m['ctx']} nh={m['nh']} nkv={m['nkv']} hd={m['hd']} page={m['page_size']} ({m['model']})")
+
+
+def paged_kv_bytes(case):
+    return case["B"] * case["ctx"] * case["nkv"] * case["hd"] * 2 * 2
+
+
+def paged_layout(case):
+    """(layers, steps): enough layers that a chain reads PAGED_L2_BYTES before it re-reads a page."""
+    layers = max(1, -(-PAGED_L2_BYTES // paged_kv_bytes(case)))
+    if os.environ.get("KERNELS_SMOKE"):
+        return min(layers, 2), 2
+    steps = max(layers, 8) if paged_kv_bytes(case) < (4 << 30) else 2
+    return layers, steps
+
+
+def run_paged_jax(case, allowed=None):
+    """Ours (default split-K, and one split: what split-K buys at batch 1) and the jnp reference
+    (``layers.paged_attention`` under XLA), each a jitted chain of decode steps over donated pools;
+    step i reads layer i % layers of the pools (fresh pages for the L2)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxserve.models.layers import Ragged
+    from jaxserve.models.layers import paged_attention as paged_attention_jnp
+    from pallas_kernels.paged_attention import paged_attention
+
+    B, ctx, nh, nkv, hd, ps = (case[n] for n in ("B", "ctx", "nh", "nkv", "hd", "page_size"))
+    layers, steps = paged_layout(case)
+    pages_per_row = ctx // ps
+    num_pages = B * pages_per_row + 1
+    rng = np.random.default_rng(B * 7 + ctx)
+    table = (rng.permutation(num_pages - 1) + 1).astype(np.int32).reshape(B, pages_per_row)
+    z = jnp.zeros(1, jnp.int32)
+    r = Ragged(positions=jnp.full((B,), ctx - 1, jnp.int32), cu_seqlens=jnp.arange(B + 1, dtype=jnp.int32),
+               seq=jnp.arange(B, dtype=jnp.int32), context_len=jnp.full((B,), ctx - 1, jnp.int32),
+               page_table=jnp.asarray(table), read_slot=z, write_slot=z, snap_seq=z, snap_len=z, snap_dst=z)
+    keys = jax.random.split(jax.random.key(3), 5)
+    x = dict(q=jax.random.normal(keys[0], (B, nh, hd), jnp.bfloat16),
+             k=jax.random.normal(keys[1], (B, nkv, hd), jnp.bfloat16),
+             v=jax.random.normal(keys[2], (B, nkv, hd), jnp.bfloat16))
+    layer_ids = [jnp.int32(i % layers) for i in range(steps)]
+    interpret = bool(os.environ.get("KERNELS_SMOKE"))
+    variants = {"ours_auto": dict(), "ours_nosplit": dict(num_splits=1)}
+    steps_fns = {}
+    for name, kw in variants.items():
+        if allowed is not None and "paged" not in allowed:
+            continue
+        steps_fns[name] = (lambda kw: lambda x, kp, vp, layer: paged_attention(
+            x["q"], x["k"], x["v"], kp, vp, layer, r, None, decode=True, interpret=interpret, **kw))(kw)
+    steps_fns["jnp"] = lambda x, kp, vp, layer: paged_attention_jnp(x["q"], x["k"], x["v"], kp, vp, layer, r, None)
+    out = {n: dict(error="not run: failed or missing in gpu_check") for n in variants if n not in steps_fns}
+
+    def make_chain(step):
+        step = jax.jit(step)  # compiled once, called ``steps`` times inside the chain
+
+        def chain(pools, x, layer_ids):
+            kp, vp = pools
+            outs = []
+            for layer in layer_ids:
+                o, kp, vp = step(x, kp, vp, layer)
+                outs.append(o)
+            return (kp, vp), outs
+        return jax.jit(chain, donate_argnums=(0,))
+
+    shape = (layers, num_pages, ps, nkv, hd)
+    pools = (jax.random.normal(keys[3], shape, jnp.bfloat16), jax.random.normal(keys[4], shape, jnp.bfloat16))
+    for name, step in steps_fns.items():
+        try:
+            pools, res = time_jax_chain(make_chain(step), pools, (x, layer_ids), steps)
+        except Exception as e:  # noqa: BLE001
+            res = dict(error=f"{type(e).__name__}: {str(e)[:600]}")
+            pools = (jax.random.normal(keys[3], shape, jnp.bfloat16), jax.random.normal(keys[4], shape, jnp.bfloat16))
+        res.update(layers=layers, steps=steps)
+        out[name] = res
+        print(f"  {name:14} {json.dumps(res)}", flush=True)
+    del pools
+    return out
+
+
 @dataclasses.dataclass
 class Suite:
     cases: Callable[[bool], list]
     run_jax: Callable[..., dict]
     state_bytes: Callable[[dict], int]
+    has_peer: bool = True  # fla has a kernel to time against
 
 
-SUITES = {"decode": Suite(decode_cases, run_decode_jax, decode_state_bytes)}
+SUITES = {"decode": Suite(decode_cases, run_decode_jax, decode_state_bytes),
+          "paged_attention": Suite(paged_cases, run_paged_jax, paged_kv_bytes, has_peer=False)}
 
 
 def make_record(case, jax_res, peer_res, bandwidth_tbps, suite):
@@ -491,10 +602,11 @@ def main():
         if args.time_budget is not None:
             budget = min(budget, args.time_budget - (time.monotonic() - t_start) - 8)
         print(f"peer budget {budget:.0f} s", flush=True)
-        peer_results = {} if args.no_peer or budget < 10 else run_peers(cases, budget)
+        peer_results = {} if args.no_peer or not suite.has_peer or budget < 10 else run_peers(cases, budget)
+        no_peer = dict(error="not run") if suite.has_peer else dict(peer="none", error="no peer kernel timed")
         for case in cases:
             records.append(make_record(case, jax_results[case_key(case)],
-                                       peer_results.get(case_key(case), dict(error="not run")), bw, suite))
+                                       peer_results.get(case_key(case), no_peer), bw, suite))
     merged = merge_records(out_json, records)
     summary = dict(date=DATE, copy_bandwidth_tbps=bw, copy_detail=bw_res,
                    when=datetime.datetime.now(datetime.timezone.utc).isoformat())

@@ -356,3 +356,73 @@ def combine_splits(acc, m, l, tile_of, local, real, G):
     o = jnp.sum(w[..., None] * acc, axis=2) / jnp.where(l_tot > 0, l_tot, 1.0)[..., None]
     o = jnp.where(real[:, None, None, None], o, 0.0)  # bucket padding tokens
     return o.transpose(0, 2, 1, 3)  # [T, nkv, G, hd]
+
+
+# ------------------------------------------------------------------------------------------------
+# Test and benchmark scaffolding (NumPy only): random paged batches and a float64 oracle.
+# ------------------------------------------------------------------------------------------------
+
+
+def random_paged_batch(rng, ctx, new, *, nh, nkv, hd, page_size, layers=1, pad_tokens=0, spare_pages=4):
+    """A ragged batch over a page pool, as float32/int32 NumPy arrays.
+
+    Row ``b`` has ``ctx[b]`` cached tokens and ``new[b]`` new ones; its pages are distinct, random
+    pages of the pool (page 0 is the null page), and its page-table entries past them are 0. The
+    table has one spare key block of null pages. ``pad_tokens`` bucket padding tokens (row = B)
+    end the flat batch. Returns ``(x, ragged)``: ``x`` = q, k, v, k_pool, v_pool; ``ragged`` =
+    positions, cu_seqlens, seq, context_len, page_table (the fields of ``layers.Ragged`` that
+    attention reads).
+    """
+    import numpy as np
+
+    B, T = len(ctx), sum(new) + pad_tokens
+    bp = KEY_BLOCK // page_size
+    total = [c + n for c, n in zip(ctx, new)]
+    need = [-(-t // page_size) for t in total]
+    width = (-(-max(total) // KEY_BLOCK) + 1) * bp
+    num_pages = sum(need) + 1 + spare_pages
+    perm = rng.permutation(np.arange(1, num_pages))
+    page_table = np.zeros((B, width), np.int32)
+    o = 0
+    for b in range(B):
+        page_table[b, :need[b]] = perm[o:o + need[b]]
+        o += need[b]
+    ragged = dict(
+        positions=np.concatenate([c + np.arange(n) for c, n in zip(ctx, new)] + [np.zeros(pad_tokens)]).astype(np.int32),
+        cu_seqlens=np.concatenate([[0], np.cumsum(new)]).astype(np.int32),
+        seq=np.concatenate([np.full(n, b) for b, n in enumerate(new)] + [np.full(pad_tokens, B)]).astype(np.int32),
+        context_len=np.asarray(ctx, np.int32),
+        page_table=page_table,
+    )
+    normal = lambda *s: rng.standard_normal(size=s, dtype=np.float32)  # noqa: E731
+    x = dict(q=normal(T, nh, hd), k=normal(T, nkv, hd), v=normal(T, nkv, hd),
+             k_pool=normal(layers, num_pages, page_size, nkv, hd),
+             v_pool=normal(layers, num_pages, page_size, nkv, hd))
+    return x, ragged
+
+
+def attention_np(q, k_pool, v_pool, layer, ragged, tokens=None, window=None):
+    """Float64 softmax attention of ``tokens`` (default: all) over their rows' visible keys, read
+    from pools that already hold the new tokens' K/V. Returns ``[len(tokens), nh * hd]``; bucket
+    padding tokens give 0."""
+    import numpy as np
+
+    q = np.asarray(q, np.float64)
+    kp, vp = (np.asarray(a)[layer] for a in (k_pool, v_pool))  # gathered rows go to float64 below
+    T, nh, hd = q.shape
+    ps, nkv = kp.shape[1], kp.shape[2]
+    seq, pos, pt = (np.asarray(ragged[n]) for n in ("seq", "positions", "page_table"))
+    tokens = range(T) if tokens is None else tokens
+    out = np.zeros((len(tokens), nkv, nh // nkv, hd))
+    for n, t in enumerate(tokens):
+        if seq[t] >= pt.shape[0]:
+            continue
+        kpos = np.arange(pos[t] + 1)
+        if window is not None:
+            kpos = kpos[kpos > pos[t] - window]
+        pages, offs = pt[seq[t], kpos // ps], kpos % ps
+        kk, vv = kp[pages, offs].astype(np.float64), vp[pages, offs].astype(np.float64)  # [n, nkv, hd]
+        s = np.einsum("nkd,kgd->kgn", kk, q[t].reshape(nkv, -1, hd)) * hd ** -0.5
+        p = np.exp(s - s.max(-1, keepdims=True))
+        out[n] = np.einsum("kgn,nkd->kgd", p, vv) / p.sum(-1)[..., None]
+    return out.reshape(len(tokens), nh * hd)

@@ -20,61 +20,27 @@ import pytest
 
 from jaxserve.models.layers import Ragged
 from jaxserve.models.layers import paged_attention as reference
-from pallas_kernels.paged_attention import _tiles, combine_splits, default_num_splits, paged_attention
+from pallas_kernels.paged_attention import (
+    _tiles,
+    attention_np,
+    combine_splits,
+    default_num_splits,
+    paged_attention,
+    random_paged_batch,
+)
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 
 
 def make_batch(rng, ctx, new, *, nh, nkv, hd, ps, dtype=jnp.float32, layers=2, layer=1, pad_tokens=0):
-    """Rows with ``ctx[b]`` cached tokens and ``new[b]`` new ones; ``pad_tokens`` bucket padding
-    tokens (seq = B, writing to the null page) at the end of the flat batch."""
-    B, T = len(ctx), sum(new) + pad_tokens
-    bp = 64 // ps
-    total = [c + n for c, n in zip(ctx, new)]
-    need = [-(-t // ps) for t in total]
-    W = (-(-max(total) // 64) + 1) * bp  # one spare key block of null pages
-    P = sum(need) + 4
-    perm = rng.permutation(np.arange(1, P))
-    page_table = np.zeros((B, W), np.int32)
-    o = 0
-    for b in range(B):
-        page_table[b, :need[b]] = perm[o:o + need[b]]
-        o += need[b]
-    cu = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
-    seq = np.concatenate([np.full(n, b) for b, n in enumerate(new)] + [np.full(pad_tokens, B)]).astype(np.int32)
-    pos = np.concatenate([c + np.arange(n) for c, n in zip(ctx, new)] + [np.zeros(pad_tokens)]).astype(np.int32)
+    """The reference's arguments for a random paged batch (``random_paged_batch``)."""
+    x, ragged = random_paged_batch(rng, ctx, new, nh=nh, nkv=nkv, hd=hd, page_size=ps, layers=layers,
+                                   pad_tokens=pad_tokens)
     z = jnp.zeros(1, jnp.int32)
-    r = Ragged(jnp.asarray(pos), jnp.asarray(cu), jnp.asarray(seq), jnp.asarray(np.array(ctx, np.int32)),
-               jnp.asarray(page_table), z, z, z, z, z)
-    normal = lambda *s: jnp.asarray(rng.standard_normal(s).astype(np.float32), dtype)  # noqa: E731
-    q, k, v = normal(T, nh, hd), normal(T, nkv, hd), normal(T, nkv, hd)
-    k_pool, v_pool = normal(layers, P, ps, nkv, hd), normal(layers, P, ps, nkv, hd)
-    return (q, k, v, k_pool, v_pool, layer, r)
-
-
-def dense64(q, k_pool, v_pool, layer, r, window=None):
-    """Float64 softmax attention of every real token over its row's visible keys, read from the
-    (already written) pools through the page table. Padding tokens -> 0."""
-    q = np.asarray(q, np.float64)
-    kp, vp = (np.asarray(x, np.float64)[layer] for x in (k_pool, v_pool))
-    T, nh, hd = q.shape
-    ps, nkv = kp.shape[1], kp.shape[2]
-    G = nh // nkv
-    seq, pos, pt = (np.asarray(x) for x in (r.seq, r.positions, r.page_table))
-    out = np.zeros((T, nh, hd))
-    for t in range(T):
-        if seq[t] >= pt.shape[0]:
-            continue
-        kpos = np.arange(pos[t] + 1)
-        if window is not None:
-            kpos = kpos[kpos > pos[t] - window]
-        pages, offs = pt[seq[t], kpos // ps], kpos % ps
-        kk, vv = kp[pages, offs], vp[pages, offs]  # [n, nkv, hd]
-        for h in range(nh):
-            s = kk[:, h // G] @ q[t, h] * hd ** -0.5
-            p = np.exp(s - s.max())
-            out[t, h] = p @ vv[:, h // G] / p.sum()
-    return out.reshape(T, nh * hd)
+    r = Ragged(**{n: jnp.asarray(a) for n, a in ragged.items()}, read_slot=z, write_slot=z, snap_seq=z,
+               snap_len=z, snap_dst=z)
+    x = {n: jnp.asarray(a, dtype) for n, a in x.items()}
+    return (x["q"], x["k"], x["v"], x["k_pool"], x["v_pool"], layer, r)
 
 
 def rel(a, b):
@@ -91,7 +57,8 @@ def check(args, *, window=None, dtype=jnp.float32, **kw):
     o = np.asarray(o.astype(jnp.float32))
     real = np.asarray(args[-1].seq) < args[-1].num_rows
     assert np.isfinite(o).all()
-    o64 = dense64(args[0], kp_ref, vp_ref, args[5], args[6], window)
+    o64 = attention_np(args[0].astype(jnp.float32), kp_ref.astype(jnp.float32), vp_ref.astype(jnp.float32), args[5],
+                       args[6]._asdict(), window=window)
     assert rel(o[real], o64[real]) < TOL[dtype]
     assert rel(o[real], np.asarray(o_ref.astype(jnp.float32))[real]) < TOL[dtype]
     assert (o[~real] == 0).all()
