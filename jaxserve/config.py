@@ -71,6 +71,11 @@ class ModelConfig:
     max_position_embeddings: int = 32768
     has_vision_tower: bool = False
 
+    # Execution, not checkpoint: which implementation runs the GDN decode step (static under jit).
+    # "auto": the Pallas Mosaic GPU kernel on a GPU when the head dims fit its tiling, else jnp;
+    # "jnp"; "pallas"; "pallas-interpret" (the kernel in Mosaic GPU's interpret mode: CPU tests).
+    kernels: str = "auto"
+
     @property
     def is_hybrid(self) -> bool:
         return LINEAR_ATTENTION in self.layer_types

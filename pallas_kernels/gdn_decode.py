@@ -37,7 +37,13 @@ Two schedules of those tiles (``persistent``):
   On the H200 (2026-12-02) it was 1.15x faster than the simple schedule at batch 64 and 256
   (benchmarks/RESULTS.md).
 
-Contract: slots of real rows are distinct. Rows with slot 0 (the null slot, batch padding) may
+Serving form (``gdn_decode_pool`` with ``layer``, ``write_slots``, ``fresh``): the pool is the
+engine's ``[layers, slots, Hv, dk, dv]`` stack and ``layer`` (static) picks one; row ``b`` reads
+``slots[b]`` and writes ``write_slots[b]`` (a hit restoring a tree snapshot reads the tree's slot and
+writes its own), and a ``fresh`` row starts from the zero state whatever its read slot holds (its
+decay factor is 0: the slot's finite leftovers are multiplied away).
+
+Contract: write slots of real rows are distinct and no row writes a slot another row reads. Rows with slot 0 (the null slot, batch padding) may
 all read and write slot 0, whose contents are then garbage; every other slot not named in
 ``slots`` is left bit-identical. ``dk % 64 == 0`` (WGMMA row tiling), ``block_dv % 32 == 0``, and
 every TMA load moves a multiple of 128 bytes (so ``dk`` and ``block_dv`` elements of the
@@ -77,12 +83,13 @@ def default_block_dv(batch: int, num_v_heads: int, dv: int, v_itemsize: int = 4)
     return legal[0]
 
 
-def _tile_step(s_smem, q_smem, k_smem, v_smem, g_smem, o_smem, bars, beta, g_scalar,
+def _tile_step(s_smem, q_smem, k_smem, v_smem, g_smem, o_smem, bars, beta, g_scalar, keep,
                *, scale, use_qk_l2norm, per_channel_gate):
     """One tile, once its copies have landed: registers <- SMEM, the delta step in fp32, SMEM <- registers.
 
     ``bars`` = (state, k, q, v, g) barriers of this tile's copies; ``g_scalar`` is the GDN
-    log-decay (unused for KDA, whose gate vector is in ``g_smem``).
+    log-decay (unused for KDA, whose gate vector is in ``g_smem``); ``keep`` is 1.0, or 0.0 for a
+    fresh row (zero initial state).
     """
     dk, block_dv = s_smem.shape
     tile = plgpu.Layout.WGMMA
@@ -97,9 +104,9 @@ def _tile_step(s_smem, q_smem, k_smem, v_smem, g_smem, o_smem, bars, beta, g_sca
     kb = bcast_row(plgpu.load(k_smem, layout=row).astype(jnp.float32))
     if per_channel_gate:
         plgpu.barrier_wait(g_bar)
-        decay = bcast_row(jnp.exp(plgpu.load(g_smem, layout=row).astype(jnp.float32)))
+        decay = bcast_row(jnp.exp(plgpu.load(g_smem, layout=row).astype(jnp.float32)) * keep)
     else:
-        decay = jnp.exp(g_scalar)
+        decay = jnp.exp(g_scalar) * keep
     plgpu.barrier_wait(s_bar)
     s = plgpu.load(s_smem, layout=tile) * decay
 
@@ -128,10 +135,15 @@ def _tile_step(s_smem, q_smem, k_smem, v_smem, g_smem, o_smem, bars, beta, g_sca
     plgpu.commit_smem()
 
 
-def _issue_loads(pool_ref, q_ref, k_ref, v_ref, g_ref, b, h, hk, slot, cols, smems, bars, per_channel_gate):
+def _state(pool_ref, layer, slot, h, cols):
+    """The GMEM state tile ``[dk, cols]`` of head ``h`` in ``slot`` (of ``layer`` in a stacked pool)."""
+    return pool_ref.at[slot, h, :, cols] if layer is None else pool_ref.at[layer, slot, h, :, cols]
+
+
+def _issue_loads(pool_ref, layer, q_ref, k_ref, v_ref, g_ref, b, h, hk, slot, cols, smems, bars, per_channel_gate):
     s_smem, q_smem, k_smem, v_smem, g_smem = smems
     s_bar, k_bar, q_bar, v_bar, g_bar = bars
-    plgpu.copy_gmem_to_smem(pool_ref.at[slot, h, :, cols], s_smem, s_bar)
+    plgpu.copy_gmem_to_smem(_state(pool_ref, layer, slot, h, cols), s_smem, s_bar)
     plgpu.copy_gmem_to_smem(k_ref.at[b, hk], k_smem, k_bar)
     plgpu.copy_gmem_to_smem(q_ref.at[b, hk], q_smem, q_bar)
     plgpu.copy_gmem_to_smem(v_ref.at[b, h, cols], v_smem, v_bar)
@@ -139,9 +151,9 @@ def _issue_loads(pool_ref, q_ref, k_ref, v_ref, g_ref, b, h, hk, slot, cols, sme
         plgpu.copy_gmem_to_smem(g_ref.at[b, h], g_smem, g_bar)
 
 
-def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, o_ref,
+def _decode_kernel(slots_ref, write_ref, keep_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, o_ref,
                    s_smem, q_smem, k_smem, v_smem, g_smem, o_smem, bars,
-                   *, group, block_dv, scale, use_qk_l2norm, per_channel_gate):
+                   *, group, block_dv, scale, use_qk_l2norm, per_channel_gate, layer):
     """One block per (row, head, dv tile): load, step, store, exit."""
     b = lax.axis_index("b")
     h = lax.axis_index("h")
@@ -150,20 +162,21 @@ def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, o_
     slot = slots_ref[b]
     cols = pl.ds(j * block_dv, block_dv)
     tile_bars = tuple(bars.at[i] for i in range(5))
-    _issue_loads(pool_ref, q_ref, k_ref, v_ref, g_ref, b, h, hk, slot, cols,
+    _issue_loads(pool_ref, layer, q_ref, k_ref, v_ref, g_ref, b, h, hk, slot, cols,
                  (s_smem, q_smem, k_smem, v_smem, g_smem), tile_bars, per_channel_gate)
     beta = beta_ref[b, h].astype(jnp.float32)
     g_scalar = None if per_channel_gate else g_ref[b, h].astype(jnp.float32)
-    _tile_step(s_smem, q_smem, k_smem, v_smem, g_smem, o_smem, tile_bars, beta, g_scalar,
+    keep = keep_ref[b].astype(jnp.float32)
+    _tile_step(s_smem, q_smem, k_smem, v_smem, g_smem, o_smem, tile_bars, beta, g_scalar, keep,
                scale=scale, use_qk_l2norm=use_qk_l2norm, per_channel_gate=per_channel_gate)
-    plgpu.copy_smem_to_gmem(s_smem, pool_ref.at[slot, h, :, cols], commit_group=False)
+    plgpu.copy_smem_to_gmem(s_smem, _state(pool_ref, layer, write_ref[b], h, cols), commit_group=False)
     plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, cols])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _persistent_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, o_ref,
+def _persistent_kernel(slots_ref, write_ref, keep_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, o_ref,
                        s_smem, q_smem, k_smem, v_smem, g_smem, o_smem, bars,
-                       *, group, block_dv, scale, use_qk_l2norm, per_channel_gate, stages, num_blocks):
+                       *, group, block_dv, scale, use_qk_l2norm, per_channel_gate, stages, num_blocks, layer):
     """A fixed grid of blocks, each walking the tiles ``blk, blk + G, ...`` with ``stages`` SMEM
     buffers: while tile i is computed, the copies of tiles i+1 .. i+stages-1 are in flight and the
     store of tile i-1 drains. The scalars a tile needs (its slot, beta, GDN gate) are read from
@@ -181,10 +194,12 @@ def _persistent_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref
         r = lax.rem(t, jnp.int32(Hv * n_cols))
         return b, lax.div(r, jnp.int32(n_cols)), lax.rem(r, jnp.int32(n_cols))
 
-    def scalars(i):
+    def scalars(i):  # (read slot, beta, GDN gate, write slot, keep): NS per tile
         b, h, _ = coords(i)
         g = jnp.float32(0) if per_channel_gate else g_ref[b, h].astype(jnp.float32)
-        return slots_ref[b], beta_ref[b, h].astype(jnp.float32), g
+        return slots_ref[b], beta_ref[b, h].astype(jnp.float32), g, write_ref[b], keep_ref[b].astype(jnp.float32)
+
+    NS = 5
 
     def stage_refs(p):
         smems = tuple(r.at[p] for r in (s_smem, q_smem, k_smem, v_smem, g_smem))
@@ -194,7 +209,7 @@ def _persistent_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref
         p = lax.rem(i, jnp.int32(stages))
         b, h, j = coords(i)
         smems, _, tile_bars = stage_refs(p)
-        _issue_loads(pool_ref, q_ref, k_ref, v_ref, g_ref, b, h, lax.div(h, jnp.int32(group)), slot,
+        _issue_loads(pool_ref, layer, q_ref, k_ref, v_ref, g_ref, b, h, lax.div(h, jnp.int32(group)), slot,
                      pl.ds(j * block_dv, block_dv), smems, tile_bars, per_channel_gate)
 
     ahead = [scalars(jnp.int32(i)) for i in range(stages)]
@@ -205,20 +220,20 @@ def _persistent_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref
 
     def body(i, carry):
         carry = list(carry)
-        (slot, beta, g), nxt = carry[:3], carry[3:]
+        (_, beta, g, write_slot, keep), nxt = carry[:NS], carry[NS:]
         p = lax.rem(i, jnp.int32(stages))
         b, h, j = coords(i)
         cols = pl.ds(j * block_dv, block_dv)
         smems, o_stage, tile_bars = stage_refs(p)
-        _tile_step(*smems, o_stage, tile_bars, beta, g, scale=scale, use_qk_l2norm=use_qk_l2norm,
+        _tile_step(*smems, o_stage, tile_bars, beta, g, keep, scale=scale, use_qk_l2norm=use_qk_l2norm,
                    per_channel_gate=per_channel_gate)
-        plgpu.copy_smem_to_gmem(smems[0], pool_ref.at[slot, h, :, cols], commit_group=False)
+        plgpu.copy_smem_to_gmem(smems[0], _state(pool_ref, layer, write_slot, h, cols), commit_group=False)
         plgpu.copy_smem_to_gmem(o_stage, o_ref.at[b, h, cols])
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # tile i-1's buffers are free again
 
         @pl.when(i + stages - 1 < n_tiles)
         def _():
-            issue(i + stages - 1, nxt[3 * (stages - 2)])
+            issue(i + stages - 1, nxt[NS * (stages - 2)])
 
         return (*nxt, *scalars(i + stages))
 
@@ -226,7 +241,7 @@ def _persistent_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _check(q, k, v, g, beta, state_pool, slots):
+def _check(q, k, v, g, beta, state_pool, slots, layer=None):
     B, Hk, dk = q.shape
     _, Hv, dv = v.shape
     problems = []
@@ -238,8 +253,12 @@ def _check(q, k, v, g, beta, state_pool, slots):
         problems.append(f"g {g.shape} must be [B, Hv] (GDN) or [B, Hv, dk] (KDA)")
     if beta.shape != (B, Hv):
         problems.append(f"beta {beta.shape} != {(B, Hv)}")
-    if state_pool.ndim != 4 or state_pool.shape[1:] != (Hv, dk, dv) or state_pool.dtype != jnp.float32:
-        problems.append(f"state_pool {state_pool.shape} {state_pool.dtype} must be [slots, {Hv}, {dk}, {dv}] fp32")
+    lead = 1 if layer is None else 2
+    if state_pool.ndim != 3 + lead or state_pool.shape[lead:] != (Hv, dk, dv) or state_pool.dtype != jnp.float32:
+        want = "[slots, " if layer is None else "[layers, slots, "
+        problems.append(f"state_pool {state_pool.shape} {state_pool.dtype} must be {want}{Hv}, {dk}, {dv}] fp32")
+    elif layer is not None and not 0 <= layer < state_pool.shape[0]:
+        problems.append(f"layer {layer} not in [0, {state_pool.shape[0]})")
     if slots.shape != (B,) or not jnp.issubdtype(slots.dtype, jnp.integer):
         problems.append(f"slots {slots.shape} {slots.dtype} must be int [{B}]")
     gate_bytes = dk * g.dtype.itemsize if g.ndim == 3 else 128
@@ -247,6 +266,14 @@ def _check(q, k, v, g, beta, state_pool, slots):
         problems.append(f"dk={dk} must be a multiple of 64 (and span 128 bytes of q, g), dv={dv} of 32")
     if problems:
         raise ValueError("gdn_decode: " + "; ".join(problems))
+
+
+def supports(dk: int, dv: int, act_dtype) -> bool:
+    """Whether the kernel's tiling takes these head dims and activation dtype (else use jnp)."""
+    item = jnp.dtype(act_dtype).itemsize
+    if dk % 64 or dv % 32 or (dk * item) % 128:
+        return False
+    return any(_tile_ok(bdv, dv, item) for bdv in (32, 64, 128, 256) if bdv <= dv)
 
 
 def _num_sms(interpret: bool) -> int:
@@ -257,16 +284,24 @@ def _num_sms(interpret: bool) -> int:
 
 
 def gdn_decode_pool(q, k, v, g, beta, state_pool, slots, *, scale=None, use_qk_l2norm=True,
-                    block_dv=None, persistent=None, stages=3, blocks_per_sm=2, interpret=False):
+                    block_dv=None, persistent=None, stages=3, blocks_per_sm=2, interpret=False,
+                    layer=None, write_slots=None, fresh=None):
     """``gdn_decode`` without the ``jit``/donation wrapper: call it inside your own jitted step.
+
+    Serving form: ``layer`` (static int) selects one layer of a stacked ``[layers, slots, Hv, dk,
+    dv]`` pool; ``write_slots`` [B] (default ``slots``) is where each row's new state goes;
+    ``fresh`` [B] bool (default all False) rows start from the zero state.
 
     Returns ``(o [B, Hv, dv] in v.dtype, new_state_pool)``; the pool output is aliased to the
     input, so donate the pool at your jit boundary to keep the update in place. ``persistent``
     selects the pipelined persistent-grid kernel (default: ``DEFAULT_PERSISTENT``), ``stages`` its
     SMEM buffers per block and ``blocks_per_sm`` its grid; otherwise one block per tile.
     """
-    _check(q, k, v, g, beta, state_pool, slots)
+    _check(q, k, v, g, beta, state_pool, slots, layer)
     B, Hk, dk = q.shape
+    slots = slots.astype(jnp.int32)
+    write_slots = slots if write_slots is None else write_slots.astype(jnp.int32)
+    keep = jnp.ones((B,), jnp.int32) if fresh is None else 1 - fresh.astype(jnp.int32)
     _, Hv, dv = v.shape
     block_dv = block_dv or default_block_dv(B, Hv, dv, v.dtype.itemsize)
     if not _tile_ok(block_dv, dv, v.dtype.itemsize):
@@ -275,7 +310,7 @@ def gdn_decode_pool(q, k, v, g, beta, state_pool, slots, *, scale=None, use_qk_l
     persistent = DEFAULT_PERSISTENT if persistent is None else persistent
     scale = dk ** -0.5 if scale is None else float(scale)
     params = dict(group=Hv // Hk, block_dv=block_dv, scale=scale, use_qk_l2norm=use_qk_l2norm,
-                  per_channel_gate=g.ndim == 3)
+                  per_channel_gate=g.ndim == 3, layer=layer)
     state_transforms = (plgpu.TilingTransform((8, _SWIZZLE // 4)), plgpu.SwizzleTransform(_SWIZZLE))
     n = (stages,) if persistent else ()
     scratch = [
@@ -309,7 +344,7 @@ def gdn_decode_pool(q, k, v, g, beta, state_pool, slots, *, scale=None, use_qk_l
     # The pool goes in as a mutable Ref: the kernel writes it in place and the discharge turns that
     # into an input/output alias of the custom call (no copy when the caller donates the pool).
     pool_ref = jax.new_ref(state_pool)
-    o = kernel(slots.astype(jnp.int32), q, k, v, g, beta, pool_ref)
+    o = kernel(slots, write_slots, keep, q, k, v, g, beta, pool_ref)
     return o, jax.ref.freeze(pool_ref)
 
 

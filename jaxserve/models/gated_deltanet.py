@@ -9,7 +9,9 @@ State lives in a slot pool shared by all GDN layers (``layers.Ragged`` says how 
 ``rec`` [layers, slots, Hv, dk, dv] fp32. Two backends touch it, each called from one place:
 ``_short_conv`` and ``_delta_rule``. Prefill uses the chunked rule aligned to absolute ×64
 positions (so a prompt prefilled in pieces computes exactly the chunks one prefill would); a
-decode batch (every row exactly one token) uses the one-step recurrent form.
+decode batch (every row exactly one token) uses the one-step recurrent form — on a GPU the fused
+Mosaic GPU kernel (``pallas_kernels.gdn_decode``), which reads and writes the pool in place
+(``_decode_in_pool``; ``cfg.kernels`` chooses), elsewhere jnp.
 
 Invariant 1 lives here: the layer itself writes every snapshot the step asks for, conv AND
 recurrent state, in the same scatter as the rows' final states; no caller can forget a layer.
@@ -22,6 +24,7 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.models.layers import Ragged, gated_rms_norm, linear
+from pallas_kernels import gdn_decode
 from pallas_kernels.conv1d_reference import causal_conv1d_prefill, causal_conv1d_update
 from pallas_kernels.gdn_reference import gdn_chunked, gdn_recurrent
 
@@ -77,6 +80,43 @@ def _delta_rule(q, k, v, g, beta, init, r: Ragged, decode: bool):
                        snapshot_seq=r.snap_seq, snapshot_len=r.snap_len)
 
 
+def use_decode_kernel(cfg: ModelConfig, act_dtype) -> bool:
+    """Static choice of the decode backend (``cfg.kernels``; see ``ModelConfig``)."""
+    if cfg.kernels == "jnp":
+        return False
+    fits = gdn_decode.supports(cfg.linear_key_head_dim, cfg.linear_value_head_dim, act_dtype)
+    if cfg.kernels in ("pallas", "pallas-interpret"):
+        if not fits:
+            raise ValueError(f"kernels={cfg.kernels!r}: the GDN decode kernel does not tile dk="
+                             f"{cfg.linear_key_head_dim}, dv={cfg.linear_value_head_dim} in {jnp.dtype(act_dtype).name}")
+        return True
+    return fits and jax.default_backend() == "gpu"
+
+
+def _decode_in_pool(cfg: ModelConfig, q, k, v, g, beta, pool: jax.Array, layer: int, r: Ragged):
+    """The decode step by the fused kernel, in place in ``pool`` (its ``_delta_rule`` + ``_store``).
+
+    Rows read ``read_slot`` (zero state when fresh) and write ``write_slot``; the snapshots a
+    one-token row can ask for are its state after the token (``snap_len == 1``: read back from
+    the write slot) or before it (``snap_len == 0``: gathered from the read slot before the kernel
+    runs; the optimization barrier ties that gather ahead of the in-place update). Returns
+    (o [B, Hv, dv], pool)."""
+    fresh = r.context_len == 0
+    S = r.snap_seq.shape[0]
+    if S:
+        seq = jnp.clip(r.snap_seq, 0, r.num_rows - 1)
+        before = jnp.where(fresh[seq].reshape(-1, 1, 1, 1), 0.0, pool[layer, r.read_slot[seq]])
+        before, pool = jax.lax.optimization_barrier((before, pool))
+    o, pool = gdn_decode.gdn_decode_pool(q, k, v, g, beta, pool, r.read_slot, layer=layer,
+                                         write_slots=r.write_slot, fresh=fresh,
+                                         interpret=cfg.kernels == "pallas-interpret")
+    if S:
+        after = pool[layer, r.write_slot[seq]]
+        snaps = jnp.where((r.snap_len > 0).reshape(-1, 1, 1, 1), after, before)
+        pool = pool.at[layer, r.snap_dst].set(snaps)
+    return o, pool
+
+
 def _store(pool: jax.Array, layer: int, r: Ragged, final: jax.Array, snaps: jax.Array) -> jax.Array:
     """Final states into the rows' write slots, snapshots into their destinations; nothing else.
 
@@ -121,7 +161,10 @@ def gated_deltanet(p: dict, cfg: ModelConfig, x: jax.Array, r: Ragged, conv_pool
     mixed, z, beta, g = project(p, cfg, x)
     mixed, conv_final, conv_snaps = _short_conv(mixed, p["conv_w"], _initial(conv_pool, layer, r), r, decode)
     q, k, v = split_qkv(cfg, mixed)
-    o, rec_final, rec_snaps = _delta_rule(q, k, v, g, beta, _initial(rec_pool, layer, r), r, decode)
+    if decode and use_decode_kernel(cfg, q.dtype):
+        o, rec_pool = _decode_in_pool(cfg, q, k, v, g, beta, rec_pool, layer, r)
+    else:
+        o, rec_final, rec_snaps = _delta_rule(q, k, v, g, beta, _initial(rec_pool, layer, r), r, decode)
+        rec_pool = _store(rec_pool, layer, r, rec_final, rec_snaps)
     conv_pool = _store(conv_pool, layer, r, conv_final, conv_snaps)
-    rec_pool = _store(rec_pool, layer, r, rec_final, rec_snaps)
     return output(p, cfg, o, z), conv_pool, rec_pool

@@ -26,8 +26,21 @@ from jaxserve.engine import pools as pool_mod
 from jaxserve.engine import runner
 from jaxserve.models import decoder
 from weights import load_model
+from weights.random_checkpoint import write_random_checkpoint
 
-MODELS = [("qwen3_5", "dense"), ("qwen3_next", "moe"), ("qwen3", "base")]
+MODELS = [("qwen3_5", "dense"), ("qwen3_next", "moe"), ("qwen3", "base"), ("kernel", "gdn_decode")]
+# ("kernel", ...): a random qwen3_5 whose GDN heads fit the Mosaic GPU decode kernel's tiling
+# (dk 64, dv 32), run with the kernel in GPU interpret mode on the decode path: the same schedule
+# (decode snapshots, a decode-path restore, fresh one-token rows) against the jnp dense forward.
+KERNEL_CONFIG = {
+    "model_type": "qwen3_5_text", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96,
+    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+    "layer_types": ["linear_attention", "full_attention"], "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 64, "linear_value_head_dim": 32, "linear_num_key_heads": 1,
+    "linear_num_value_heads": 2, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    "max_position_embeddings": 4096, "eos_token_id": 511,
+}
 PAGE = 16
 MAX_LEN = 128  # every sequence fits; the dense reference is [N, 64] run twice
 BUCKETS = runner.Buckets(tokens=(128,), seqs=(8,), snapshots=(4,), pages_per_seq=MAX_LEN // PAGE, page_size=PAGE)
@@ -134,8 +147,14 @@ def _reference(model, seqs):
 
 
 @pytest.fixture(scope="module", params=MODELS, ids=lambda m: f"{m[0]}-{m[1]}")
-def case(request, oracle_dir):
-    model = load_model(oracle_dir / f"{request.param[0]}-{request.param[1]}", dtype="float32", progress=False)
+def case(request, oracle_dir, tmp_path_factory):
+    if request.param[0] == "kernel":
+        folder = write_random_checkpoint(KERNEL_CONFIG, tmp_path_factory.mktemp("kernel"), dtype="float32", seed=5,
+                                         init_std=0.2)
+        model = load_model(folder, dtype="float32", progress=False)
+        model = dataclasses.replace(model, config=dataclasses.replace(model.config, kernels="pallas-interpret"))
+    else:
+        model = load_model(oracle_dir / f"{request.param[0]}-{request.param[1]}", dtype="float32", progress=False)
     result = _run_schedule(model)
     index, logp, at64 = _reference(model, result["seqs"])
     return model, result, index, logp, at64
@@ -193,8 +212,12 @@ def test_steps_touch_only_what_they_name(case):
 
 
 def test_one_compile_per_bucket(case):
-    """Five steps of varying raggedness hit two programs: one prefill/mixed bucket, one decode."""
-    assert case[1]["compiles"] == 2
+    """Five steps of varying raggedness hit two programs: one prefill/mixed bucket, one decode.
+    (Mosaic GPU's interpret mode runs the kernel through host callbacks, which makes the jit that
+    contains it compile a second time on its second call — seen with ``jax_log_compiles`` on a jit
+    of the bare kernel too; compiled for a GPU the kernel is one custom call and this is 2.)"""
+    interpreted = case[0].config.kernels == "pallas-interpret"
+    assert case[1]["compiles"] == (3 if interpreted else 2)
 
 
 # ------------------------------------------------------------------------------------------------
