@@ -5,6 +5,8 @@
     jaxserve generate [--model DIR] (--prompt TEXT | --prompt-ids 1,2,3 | --prompts-file F) [--max-tokens N]
                       [--temperature T] [--top-p P] [--top-k K] [--seed S] [--stop S] [--dtype float32|bfloat16]
                       [--chat] [--ignore-eos] [--json] [engine flags: --page-size, --max-prefill-length, ...]
+    jaxserve probe --url URL [--reference-url URL2] [--n 500] [--concurrency 8] [--abort-fraction 0.3]
+                   [--seed S] [--needle-tokens MIN MAX] [--json] [--api-key K] [--model NAME]
 
 Prompts run through the full engine (continuous batching, prefix cache). ``--json`` prints one
 JSON object per prompt: output_ids, text, logprobs (the chosen token's logprob at each step),
@@ -98,8 +100,8 @@ def _engine_args(args: argparse.Namespace, progress: bool):
         model=args.model or str(DEFAULT_MODEL_DIR), dtype=args.dtype, page_size=args.page_size,
         max_prefill_length=args.max_prefill_length, max_running_requests=args.max_running_requests,
         num_pages=args.num_pages, num_slots=args.num_slots, policy=args.policy, progress=progress,
-        **({"max_model_len": args.max_model_len, "debug_snapshot_checksums": args.debug_snapshot_checksums}
-           if args.command == "serve" else {}))
+        **({"max_model_len": args.max_model_len, "debug_snapshot_checksums": args.debug_snapshot_checksums,
+            "debug_fault": args.debug_inject_fault} if args.command == "serve" else {}))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -126,6 +128,8 @@ def _serve(args: argparse.Namespace) -> int:
         ("max_prefill_length", eargs.max_prefill_length), ("max_running_requests", eargs.max_running_requests),
         ("max_model_len", eargs.max_model_len), ("num_pages", eargs.num_pages), ("num_slots", eargs.num_slots),
         ("policy", eargs.policy), ("debug_snapshot_checksums", eargs.debug_snapshot_checksums)]))
+    if eargs.debug_fault:
+        log(f"WARNING: --debug-inject-fault {eargs.debug_fault}: cache hits are corrupted on purpose (tests only)")
     t0 = time.perf_counter()
     log(f"loading {eargs.model} ...")
     engine = build_engine(eargs)
@@ -170,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--debug-snapshot-checksums", action="store_true",
                     help="checksum every prefix-cache snapshot on donation and before each hit (metric: "
                          "jaxserve_snapshot_checksum_mismatches)")
+    # Test-only: corrupt every prefix-cache hit on purpose, to prove `jaxserve probe` catches it.
+    sv.add_argument("--debug-inject-fault", choices=("stale-snapshot", "wrong-snapshot"), default=None,
+                    help=argparse.SUPPRESS)
     sv.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     g = sub.add_parser("generate", help="generate a completion offline for one prompt")
     g.add_argument("--model", default=None, help="Hugging Face checkpoint folder (default: the model shipped in weights/default)")
@@ -194,6 +201,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-pages", type=int, help="KV pages (default: from the memory budget)")
     g.add_argument("--num-slots", type=int, help="linear-state slots (default: from the memory budget)")
     g.add_argument("--policy", choices=("fcfs", "lpm"), default="fcfs")
+    pr = sub.add_parser("probe", help="ground-truth probes and a cache hammer against any OpenAI-compatible server; "
+                                      "exit 1 when a cache hit differs from its cold answer")
+    pr.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    pr.add_argument("--reference-url", default=None, help="a second server: every answer is also compared with its answer")
+    pr.add_argument("--n", type=int, default=500, help="requests to send (aborted streams included)")
+    pr.add_argument("--concurrency", type=int, default=8, help="streams in flight at once")
+    pr.add_argument("--abort-fraction", type=float, default=0.3, help="share of streams closed after 0-3 tokens")
+    pr.add_argument("--seed", type=int, default=0)
+    pr.add_argument("--needle-tokens", type=int, nargs=2, default=(1000, 4000), metavar=("MIN", "MAX"),
+                    help="needle context length range (about 12 tokens per line)")
+    pr.add_argument("--max-tokens", type=int, default=16)
+    pr.add_argument("--repeats", type=int, default=4, help="full sends of each distinct prompt (one cold, the rest hits)")
+    pr.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    pr.add_argument("--api-key", default=None)
+    pr.add_argument("--model", default=None, help="model name to send (default: the server's first listed model)")
+    pr.add_argument("--json", action="store_true", help="print the report as one JSON object (no progress)")
     return ap
 
 
@@ -202,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return _serve(args)
+        if args.command == "probe":
+            from jaxserve import probe
+
+            return probe.main(args)
         if args.command == "generate":
             for out in _generate(args):
                 print(json.dumps(out) if args.json else out["text"])

@@ -44,6 +44,7 @@ class EngineArgs:
     max_snapshots_per_path: int | None = None  # bound the tree's snapshots on any root..leaf path
     policy: str = "fcfs"
     debug_snapshot_checksums: bool = False
+    debug_fault: str | None = None  # TEST ONLY: "stale-snapshot" / "wrong-snapshot" corrupt every hit (Scheduler)
     progress: bool = True
 
 
@@ -79,6 +80,7 @@ def build_engine(args: EngineArgs) -> Engine:
                           max_prefill_tokens=args.max_prefill_length, max_running=args.max_running_requests,
                           max_pages_per_seq=min(buckets.pages_per_seq, -(-max_len // args.page_size)),
                           eos_token_ids=eos, policy=make_policy(args.policy))
+    scheduler.debug_fault = args.debug_fault
     executor = DeviceExecutor(params, cfg, pools, buckets)
     engine = Engine(scheduler, executor, vocab_size=cfg.vocab_size, tokenizer=tokenizer,
                     debug_snapshot_checksums=args.debug_snapshot_checksums)
