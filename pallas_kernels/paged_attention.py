@@ -23,9 +23,11 @@ Work unit (flash-decoding): one program per (query tile, kv head, split).
   layers, from the first block the window can see).
 * *Split-K*: with ``num_splits > 1`` the blocks of a tile are cut into that many contiguous ranges,
   one program each, so a long context at batch 1 still fills the SMs. Every program writes its
-  unnormalised fp32 accumulator and its softmax state (running max ``m``, sum ``l``) per row; a
-  tiny jnp epilogue merges the splits (``o = Σ e^(m_s - m) acc_s / Σ e^(m_s - m) l_s``) and
-  gathers each token's ``G`` rows. With one split the epilogue is just ``acc / l``.
+  unnormalised fp32 accumulator and its softmax state (running max ``m``, sum ``l``) for the rows
+  a tile can use (``tq * G`` rounded up to 8: ``G`` rows in decode); a tiny jnp epilogue merges
+  the splits (``o = Σ e^(m_s - m) acc_s / Σ e^(m_s - m) l_s``) and gathers each token's ``G``
+  rows. With one split the epilogue is just ``acc / l``. The default split count
+  (``default_num_splits``) splits only grids that would leave more than half the SMs idle.
 
 Masking follows the reference: key ``k_pos`` is visible to a query at ``q_pos`` iff
 ``k_pos <= q_pos`` (and ``k_pos > q_pos - window``); masked scores become a finite ``-1e30``
@@ -168,9 +170,10 @@ def _kernel(layer_ref, tiles_ref, pt_ref, q_ref, kp_ref, vp_ref, acc_ref, m_ref,
     m_smem[...] = m
     l_smem[...] = l
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, acc_ref.at[s, i, h], commit_group=False)
-    plgpu.copy_smem_to_gmem(m_smem, m_ref.at[s, i, h], commit_group=False)
-    plgpu.copy_smem_to_gmem(l_smem, l_ref.at[s, i, h])
+    rows = pl.ds(0, acc_ref.shape[-2])  # only the rows a tile can use (G rows in decode)
+    plgpu.copy_smem_to_gmem(o_smem.at[rows], acc_ref.at[s, i, h], commit_group=False)
+    plgpu.copy_smem_to_gmem(m_smem.at[rows], m_ref.at[s, i, h], commit_group=False)
+    plgpu.copy_smem_to_gmem(l_smem.at[rows], l_ref.at[s, i, h])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
@@ -226,13 +229,14 @@ def _num_sms(interpret: bool) -> int:
     return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
-def default_num_splits(programs: int, max_blocks: int, num_sms: int, min_blocks_per_split: int = 4) -> int:
-    """Enough splits to give every SM about two programs, but no split under
-    ``min_blocks_per_split`` key blocks of the longest possible context."""
-    if programs >= 2 * num_sms:
+def default_num_splits(programs: int, max_blocks: int, num_sms: int, min_blocks_per_split: int = 8) -> int:
+    """Split only when the grid would leave more than half the SMs idle (one program fits an SM:
+    the SMEM ring takes 120-168 KiB), then up to one wave of programs, but no split under
+    ``min_blocks_per_split`` key blocks of the longest possible context (a split's fp32 partial,
+    ``G * hd * 4`` bytes, then stays under 1/16 of the K/V it reads)."""
+    if 2 * programs > num_sms:
         return 1
-    want = -(-2 * num_sms // programs)
-    return int(max(1, min(want, max_blocks // min_blocks_per_split)))
+    return int(max(1, min(num_sms // programs, max_blocks // min_blocks_per_split)))
 
 
 def default_stages(head_dim: int, itemsize: int) -> int:
@@ -307,6 +311,7 @@ def paged_attention_read(q, k_pool, v_pool, layer, r, window=None, *, num_splits
     q2 = q.astype(k_pool.dtype).reshape(T, nkv, G, hd).transpose(1, 0, 2, 3).reshape(nkv, T * G, hd)
     q2 = jnp.pad(q2, ((0, 0), (0, ROWS), (0, 0)))
     bp = KEY_BLOCK // ps
+    out_rows = -(-tq * G // 8) * 8  # rows written back per tile: whole 8-row SMEM tiles
     dt = k_pool.dtype
     scratch = [
         plgpu.SMEM((ROWS, hd), dt, transforms=_smem_transforms(dt)),
@@ -330,9 +335,9 @@ def paged_attention_read(q, k_pool, v_pool, layer, r, window=None, *, num_splits
                              interpret=bool(interpret))
     kernel = plgpu.kernel(
         body,
-        out_type=(jax.ShapeDtypeStruct((num_splits, n_tiles, nkv, ROWS, hd), jnp.float32),
-                  jax.ShapeDtypeStruct((num_splits, n_tiles, nkv, ROWS), jnp.float32),
-                  jax.ShapeDtypeStruct((num_splits, n_tiles, nkv, ROWS), jnp.float32)),
+        out_type=(jax.ShapeDtypeStruct((num_splits, n_tiles, nkv, out_rows, hd), jnp.float32),
+                  jax.ShapeDtypeStruct((num_splits, n_tiles, nkv, out_rows), jnp.float32),
+                  jax.ShapeDtypeStruct((num_splits, n_tiles, nkv, out_rows), jnp.float32)),
         grid=(n_tiles, nkv, num_splits),
         grid_names=("tile", "kvh", "split"),
         scratch_types=scratch,

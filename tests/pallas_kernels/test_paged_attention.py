@@ -72,7 +72,7 @@ def random_lengths(rng, n, ps, lo=1, hi=300):
 
 @pytest.mark.parametrize("nh,nkv,hd,ps,splits,seed", [
     (4, 1, 128, 16, 2, 0),   # GQA 4, split-K (ranges end mid-context and at its end)
-    (2, 2, 256, 64, None, 1),  # GQA 1 (MHA), d 256, one page per key block
+    (1, 1, 256, 64, None, 1),  # GQA 1 (MHA), d 256, one page per key block
 ], ids=["gqa4-d128-p16-split2", "gqa1-d256-p64"])
 def test_decode_matches_references(nh, nkv, hd, ps, splits, seed):
     """One new token per row: the row's total length (context + 1) from random_lengths."""
@@ -84,7 +84,7 @@ def test_decode_matches_references(nh, nkv, hd, ps, splits, seed):
 
 @pytest.mark.parametrize("nh,nkv,hd,ps,splits,seed", [
     (4, 1, 128, 16, 3, 2),
-    (2, 2, 256, 64, None, 3),
+    (1, 1, 256, 64, None, 3),
 ], ids=["gqa4-d128-p16-split3", "gqa1-d256-p64"])
 def test_extend_matches_references(nh, nkv, hd, ps, splits, seed):
     """Rows with many new tokens over cached pages: a prefill from 0, a chunk continuing at a 64
@@ -132,9 +132,9 @@ def test_tiles_and_combine():
     s = rng.standard_normal((16,))
     v = rng.standard_normal((16, 4))
     parts = [(np.exp(s[a:b] - s[a:b].max()), s[a:b].max()) for a, b in ((0, 8), (8, 16))]
-    acc = np.zeros((2, 1, 1, 64, 4), np.float32)
-    m = np.full((2, 1, 1, 64), -1e30, np.float32)
-    l = np.zeros((2, 1, 1, 64), np.float32)
+    acc = np.zeros((2, 1, 1, 8, 4), np.float32)
+    m = np.full((2, 1, 1, 8), -1e30, np.float32)
+    l = np.zeros((2, 1, 1, 8), np.float32)
     for i, ((p, mx), (a, b)) in enumerate(zip(parts, ((0, 8), (8, 16)))):
         acc[i, 0, 0, 0], m[i, 0, 0, 0], l[i, 0, 0, 0] = p @ v[a:b], mx, p.sum()
     o = combine_splits(jnp.asarray(acc), jnp.asarray(m), jnp.asarray(l), jnp.zeros(1, jnp.int32),
@@ -144,9 +144,10 @@ def test_tiles_and_combine():
 
 
 def test_default_num_splits():
-    assert default_num_splits(programs=2, max_blocks=512, num_sms=132) == 128  # batch 1, 32k, 2 kv heads
-    assert default_num_splits(programs=2, max_blocks=8, num_sms=132) == 2  # short context: >= 4 blocks a split
-    assert default_num_splits(programs=512, max_blocks=512, num_sms=132) == 1
+    assert default_num_splits(programs=2, max_blocks=512, num_sms=132) == 64  # batch 1, 32k: >= 8 blocks a split
+    assert default_num_splits(programs=16, max_blocks=512, num_sms=132) == 8  # batch 8: one wave
+    assert default_num_splits(programs=2, max_blocks=8, num_sms=132) == 1  # short context
+    assert default_num_splits(programs=128, max_blocks=512, num_sms=132) == 1  # batch 64, 2 kv heads
 
 
 def test_rejects_bad_shapes():
