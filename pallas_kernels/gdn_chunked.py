@@ -1,0 +1,341 @@
+"""GDN / KDA chunked prefill (chunk 64) on a ragged batch: jnp intra-chunk prep + a Pallas Mosaic GPU
+kernel for the sequential state recurrence (sm_90).
+
+Same contract and results as ``gdn_reference.gdn_chunked`` / ``kda_reference.kda_chunked``: ragged
+tokens (``cu_seqlens``), one initial state per sequence, chunks aligned to ABSOLUTE multiples of 64
+(``start_pos``: a sequence resumed at position 37 has a first chunk of 27 tokens, so a prompt
+prefilled in pieces computes the same chunks and its chunk ends are the radix cache's ×64 snapshot
+boundaries, DESIGN.md invariant 1), the final state of every sequence and the states at the
+requested ``(snapshot_seq, snapshot_len)`` boundaries.
+
+Split of the work (first version):
+
+* **jnp (XLA)**, parallel over every chunk and head: q/k normalisation, the chunk grid
+  (``kda_reference.chunk_layout``) and the UT transform (``kda_reference._chunk_terms``: with
+  ``A = strictly-lower(beta K Kᵀ ⊙ decay)`` and ``T = (I + A)⁻¹``, ``u = T (beta v)``,
+  ``w = T (beta k exp G)``, the causal decayed scores ``qk``, ``q exp G``, ``k exp(G_last - G)``
+  and ``exp G_last``). This is the reference's own code, so the kernel cannot drift from it.
+* **Mosaic GPU**: one program per (sequence, value head, ``block_dv`` columns of the state) walks
+  the sequence's chunks in order with the state in registers (fp32, WGMMA layout) and per chunk::
+
+      v_new = u - w S                      # [64, dv]
+      o     = (q exp G) S + qk v_new       # [64, dv]
+      S     = exp(G_last) S + (k exp(G_last - G))ᵀ v_new
+
+  all three products on the tensor cores (WGMMA). The program holds the TRANSPOSED state
+  ``Sᵀ [block_dv, dk]`` and computes ``v_newᵀ``, ``oᵀ`` and ``S_newᵀ``: fp32 (tf32) WGMMA needs
+  both SMEM operands K-major, and in the transposed form every operand is K-major as stored
+  (``Sᵀ`` and ``v_newᵀ`` are written row-major from registers; ``w``, ``q exp G``, ``qk`` and the
+  pre-transposed ``(k exp(G_last - G))ᵀ`` come by TMA). The next chunk's copy into a buffer is
+  issued as soon as the current chunk's last WGMMA reading that buffer has completed.
+  When a chunk end is a requested state (a snapshot boundary or the sequence's end), the program
+  writes ``Sᵀ`` to that request's row of a compact ``[R, Hv, dv, dk]`` output (R = sequences +
+  snapshot requests; requests for the same chunk share a row), so no per-chunk state is stored.
+
+The KDA per-channel gate goes through the same kernel: only the final decay ``exp(G_last)`` of a
+chunk touches the state directly, a ``[dk]`` vector per (chunk, head) instead of a scalar.
+
+Precision: the state is carried and stored in fp32. The WGMMA operands are ``matmul_dtype``:
+fp32 (default) runs as tf32 on the GPU (~3e-4 relative); bf16 halves SMEM and copy bytes at
+bf16-operand accuracy (what fla's kernels do). Under interpretation (CPU) the products are fp32.
+
+Contract: ``dk % 64 == 0``, ``dv % block_dv == 0`` with ``block_dv % 64 == 0`` (WGMMA M),
+``chunk_size == 64``. Tokens past ``cu_seqlens[-1]`` are padding (output 0).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.kda_reference import (
+    _check_args,
+    _check_snapshots_eagerly,
+    _chunk_terms,
+    _from_grid,
+    _prepare,
+    _snapshot_valid,
+    _to_grid,
+    _with_defaults,
+    chunk_layout,
+    default_max_chunks,
+)
+
+CHUNK = 64
+_SWIZZLE = 128
+
+
+def _transforms(dtype):
+    elems = _SWIZZLE // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(_SWIZZLE))
+
+
+def _products(pairs, shape):
+    """``Σ a @ b`` over ``pairs`` of SMEM operands on the tensor cores, into a fresh fp32 accumulator
+    (read back, which waits for the WGMMAs). Always fresh, never accumulating into a carried value:
+    the GPU interpreter has no rule for the discharged WGMMA that ``run_state`` produces."""
+    def fn(acc):
+        for a, b in pairs:
+            plgpu.wgmma(acc, a, b)
+        return acc[...]
+
+    return pl.run_scoped(fn, plgpu.ACC(shape, jnp.float32))
+
+
+def _kernel(first_ref, nchunks_ref, slot_ref, dl_ref, init_ref, w_ref, qd_ref, kdt_ref, ut_ref, qk_ref,
+            ot_ref, st_ref,
+            st_smem, s_smem, w_smem, qd_smem, kd_smem, u_smem, qk_smem, vn_smem, o_smem, g_smem, bars,
+            *, block_dv, per_channel_gate, mm_dtype):
+    """One (sequence, value head, dv tile): walk the sequence's chunks carrying ``Sᵀ`` in registers."""
+    n = lax.axis_index("n")
+    h = lax.axis_index("h")
+    j = lax.axis_index("j")
+    c0 = first_ref[n]
+    nc = nchunks_ref[n]
+    num_rows = st_ref.shape[0]
+    cols = pl.ds(j * block_dv, block_dv)
+    init_bar, w_bar, qd_bar, kd_bar, u_bar, qk_bar, g_bar = (bars.at[i] for i in range(7))
+    tile = plgpu.Layout.WGMMA
+    C = w_smem.shape[0]
+    dk = w_smem.shape[1]
+
+    def issue_w(c):
+        plgpu.copy_gmem_to_smem(w_ref.at[c, h], w_smem, w_bar)
+
+    def issue_o_operands(c):
+        plgpu.copy_gmem_to_smem(qd_ref.at[c, h], qd_smem, qd_bar)
+        plgpu.copy_gmem_to_smem(qk_ref.at[c, h], qk_smem, qk_bar)
+
+    def issue_u(c):
+        plgpu.copy_gmem_to_smem(ut_ref.at[c, h, cols], u_smem, u_bar)
+
+    def issue_state_operands(c):
+        plgpu.copy_gmem_to_smem(kdt_ref.at[c, h], kd_smem, kd_bar)
+        if per_channel_gate:
+            plgpu.copy_gmem_to_smem(dl_ref.at[c, h], g_smem, g_bar)
+
+    plgpu.copy_gmem_to_smem(init_ref.at[n, h, cols], st_smem, init_bar)
+
+    @pl.when(nc > 0)
+    def _():
+        issue_w(c0)
+        issue_u(c0)
+        issue_o_operands(c0)
+        issue_state_operands(c0)
+
+    plgpu.barrier_wait(init_bar)
+    s0 = plgpu.load(st_smem, layout=tile)
+
+    def body(i, s):
+        c = c0 + i
+        more = i + 1 < nc
+        # The previous chunk's o / state stores must have read their SMEM before it is rewritten.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        s_smem[...] = s.astype(mm_dtype)
+        plgpu.commit_smem()
+
+        # v_newᵀ = uᵀ - Sᵀ wᵀ
+        plgpu.barrier_wait(w_bar)
+
+        ws = _products([(s_smem, w_smem.T)], (block_dv, C))
+
+        @pl.when(more)
+        def _():
+            issue_w(c + 1)
+
+        plgpu.barrier_wait(u_bar)
+        vn = plgpu.load(u_smem, layout=tile) - ws
+
+        @pl.when(more)
+        def _():
+            issue_u(c + 1)
+
+        vn_smem[...] = vn.astype(mm_dtype)
+        plgpu.commit_smem()
+
+        # oᵀ = Sᵀ (q exp G)ᵀ + v_newᵀ qkᵀ
+        plgpu.barrier_wait(qd_bar)
+        plgpu.barrier_wait(qk_bar)
+
+        o = _products([(s_smem, qd_smem.T), (vn_smem, qk_smem.T)], (block_dv, C))
+
+        @pl.when(more)
+        def _():
+            issue_o_operands(c + 1)
+
+        # S_newᵀ = exp(G_last) Sᵀ + v_newᵀ (k exp(G_last - G))
+        plgpu.barrier_wait(kd_bar)
+
+        kv = _products([(vn_smem, kd_smem.T)], (block_dv, dk))
+        if per_channel_gate:
+            plgpu.barrier_wait(g_bar)
+            decay = plgpu.load(g_smem, layout=tile.reduce(0))
+            decay = lax.broadcast_in_dim(decay, (block_dv, dk), [1])
+        else:
+            decay = dl_ref[c, h]
+        s_new = decay * s + kv
+
+        @pl.when(more)
+        def _():
+            issue_state_operands(c + 1)
+
+        o_smem[...] = o
+        slot = slot_ref[c]
+        snap = slot < num_rows
+
+        @pl.when(snap)
+        def _():
+            st_smem[...] = s_new
+
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, ot_ref.at[c, h, cols])
+
+        @pl.when(snap)
+        def _():
+            plgpu.copy_smem_to_gmem(st_smem, st_ref.at[slot, h, cols])
+
+        return s_new
+
+    lax.fori_loop(0, nc, body, s0)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _layout_requests(layout, cu_seqlens, snapshot_seq, snapshot_len, max_chunks, chunk_size):
+    """Requested states (finals then snapshots) -> the chunk whose end holds each, and the output
+    row each chunk writes (``R`` = none). Requests for the same chunk share the first one's row."""
+    num_seqs = cu_seqlens.shape[0] - 1
+    lens = jnp.diff(cu_seqlens)
+    req_seq = jnp.concatenate([jnp.arange(num_seqs, dtype=jnp.int32), jnp.clip(snapshot_seq, 0, num_seqs - 1)])
+    req_len = jnp.concatenate([lens, snapshot_len])
+    num_rows = req_seq.shape[0]
+    chunk = layout.first_chunk[req_seq] + (layout.offset[req_seq] + req_len - 1) // chunk_size
+    has_chunk = (req_len > 0) & (chunk >= 0) & (chunk < max_chunks)
+    chunk = jnp.where(has_chunk, chunk, max_chunks)
+    slot_of_chunk = jnp.full((max_chunks,), num_rows, jnp.int32).at[chunk].min(
+        jnp.arange(num_rows, dtype=jnp.int32), mode="drop")
+    row = jnp.where(has_chunk, slot_of_chunk[jnp.minimum(chunk, max_chunks - 1)], num_rows)
+    return req_seq, row, slot_of_chunk
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "max_chunks", "block_dv",
+                                             "matmul_dtype", "interpret"))
+def _chunked_pallas(q, k, v, g, beta, cu_seqlens, initial_state, snapshot_seq, snapshot_len, start_pos,
+                    *, scale, use_qk_l2norm, max_chunks, block_dv, matmul_dtype, interpret):
+    T, Hv, dv = v.shape
+    dk = q.shape[-1]
+    num_seqs = cu_seqlens.shape[0] - 1
+    per_channel_gate = g.shape[-1] != 1
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
+    layout = chunk_layout(cu_seqlens, start_pos, T, CHUNK, max_chunks)
+    grid = functools.partial(_to_grid, layout=layout, max_chunks=max_chunks, chunk_size=CHUNK)
+    terms = _chunk_terms(grid(q), grid(k), grid(v), grid(g), grid(beta[..., None])[..., 0])
+    mm = jnp.dtype(matmul_dtype)
+    w = terms.w.astype(mm)                                   # [M, Hv, C, dk]
+    qd = terms.q_decayed.astype(mm)                          # [M, Hv, C, dk]
+    kdt = jnp.swapaxes(terms.k_decayed, -1, -2).astype(mm)  # [M, Hv, dk, C]
+    ut = jnp.swapaxes(terms.u, -1, -2)                       # [M, Hv, dv, C] fp32
+    qk = terms.qk.astype(mm)                                 # [M, Hv, C, C]
+    decay_last = terms.decay_last if per_channel_gate else terms.decay_last[..., 0]  # [M, Hv, dk] | [M, Hv]
+    init_t = jnp.swapaxes(initial_state, -1, -2)             # [N, Hv, dv, dk]
+
+    req_seq, row, slot_of_chunk = _layout_requests(layout, cu_seqlens, snapshot_seq, snapshot_len,
+                                                   max_chunks, CHUNK)
+    num_rows = req_seq.shape[0]
+    f32 = jnp.float32
+    # With fp32 operands the WGMMA copy of Sᵀ IS the fp32 state staging buffer (one 32 KiB buffer
+    # less: all of it is ~192 KiB at dk = 128); with bf16 operands it is a separate bf16 buffer.
+    alias = mm == f32
+    scratch = [
+        plgpu.SMEM((block_dv, dk), f32, transforms=_transforms(f32)),  # Sᵀ fp32: initial / snapshot I/O
+        *([] if alias else [plgpu.SMEM((block_dv, dk), mm, transforms=_transforms(mm))]),  # Sᵀ operand
+        plgpu.SMEM((CHUNK, dk), mm, transforms=_transforms(mm)),      # w
+        plgpu.SMEM((CHUNK, dk), mm, transforms=_transforms(mm)),      # q exp G
+        plgpu.SMEM((dk, CHUNK), mm, transforms=_transforms(mm)),      # (k exp(G_last - G))ᵀ
+        plgpu.SMEM((block_dv, CHUNK), f32, transforms=_transforms(f32)),  # uᵀ
+        plgpu.SMEM((CHUNK, CHUNK), mm, transforms=_transforms(mm)),   # qk
+        plgpu.SMEM((block_dv, CHUNK), mm, transforms=_transforms(mm)),    # v_newᵀ
+        plgpu.SMEM((block_dv, CHUNK), f32, transforms=_transforms(f32)),  # oᵀ staging
+        plgpu.SMEM((dk if per_channel_gate else 1,), f32),                  # KDA exp(G_last)
+        plgpu.Barrier(num_barriers=7),
+    ]
+
+    def body(*refs):
+        ins, outs, smem = refs[:10], refs[10:12], list(refs[12:])
+        if alias:
+            smem.insert(1, smem[0])
+        _kernel(*ins, *outs, *smem, block_dv=block_dv, per_channel_gate=per_channel_gate, mm_dtype=mm)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct((max_chunks, Hv, dv, CHUNK), f32),
+                  jax.ShapeDtypeStruct((num_rows, Hv, dv, dk), f32)),
+        grid=(num_seqs, Hv, dv // block_dv),
+        grid_names=("n", "h", "j"),
+        scratch_types=scratch,
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
+    )
+    ot, states_t = kernel(layout.first_chunk.astype(jnp.int32), layout.num_chunks.astype(jnp.int32),
+                          slot_of_chunk, decay_last.astype(f32), init_t, w, qd, kdt, ut, qk)
+    o = _from_grid(jnp.swapaxes(ot, -1, -2), layout)
+
+    states = jnp.swapaxes(jnp.take(states_t, jnp.minimum(row, num_rows - 1), axis=0), -1, -2)
+    states = jnp.where((row < num_rows)[:, None, None, None], states, initial_state[req_seq])
+    final, snaps = states[:num_seqs], states[num_seqs:]
+    valid = _snapshot_valid(cu_seqlens, snapshot_seq, snapshot_len, start_pos, CHUNK)
+    return o, final, jnp.where(valid[:, None, None, None], snaps, jnp.nan)
+
+
+def _check_tiling(q, v, block_dv, chunk_size):
+    dk, dv = q.shape[-1], v.shape[-1]
+    problems = []
+    if chunk_size != CHUNK:
+        problems.append(f"chunk_size={chunk_size}: the kernel is built for {CHUNK}")
+    if dk % 64 or dk > 256:
+        problems.append(f"dk={dk} must be a multiple of 64 and at most 256 (WGMMA N)")
+    if block_dv % 64 or dv % block_dv:
+        problems.append(f"block_dv={block_dv} must be a multiple of 64 dividing dv={dv} (WGMMA M)")
+    if problems:
+        raise ValueError("gdn_chunked_pallas: " + "; ".join(problems))
+
+
+def gdn_chunked_pallas(q, k, v, g, beta, *, cu_seqlens, initial_state=None, scale=None, use_qk_l2norm=True,
+                       snapshot_seq=None, snapshot_len=None, chunk_size=64, start_pos=None, max_chunks=None,
+                       block_dv=64, matmul_dtype=jnp.float32, interpret=False):
+    """``gdn_chunked`` (``g [T, Hv]``) or ``kda_chunked`` (``g [T, Hv, dk]``) with the state recurrence
+    on the Mosaic GPU kernel. Same arguments and results as the references::
+
+        q, k [T, Hk, dk]; v [T, Hv, dv]; beta [T, Hv] (sigmoided); cu_seqlens int32 [N+1];
+        initial_state [N, Hv, dk, dv] fp32 or None; start_pos [N] (default 0);
+        snapshot_seq / snapshot_len int32 [S] or None
+        -> (o [T, Hv, dv] in v.dtype, final [N, Hv, dk, dv] fp32, snapshots [S, Hv, dk, dv] or None)
+
+    Snapshots exist at lengths 0, the whole sequence, or ``(start_pos + len) % 64 == 0``; others
+    raise ``ValueError`` when concrete and come back NaN under ``jit`` (as in the reference).
+    Extra static knobs: ``block_dv`` (state columns per program), ``matmul_dtype`` (WGMMA operand
+    dtype: fp32 = tf32 on the GPU, or bf16), ``interpret`` (Mosaic GPU's interpreter, CPU tests).
+    """
+    if g.ndim == 2:
+        if g.shape != v.shape[:2]:
+            raise ValueError(f"GDN gate g {g.shape} must be [T, Hv] = {v.shape[:2]}")
+        g = g[..., None]
+    _check_args(q, k, v, g, beta, cu_seqlens, initial_state, snapshot_seq, snapshot_len)
+    _check_tiling(q, v, block_dv, chunk_size)
+    num_seqs = cu_seqlens.shape[0] - 1
+    if start_pos is not None and start_pos.shape != (num_seqs,):
+        raise ValueError(f"start_pos {start_pos.shape} != {(num_seqs,)}")
+    cu, snap_seq, snap_len, start, init = _with_defaults(
+        q, v, cu_seqlens, initial_state, snapshot_seq, snapshot_len, start_pos)
+    _check_snapshots_eagerly(cu_seqlens, snapshot_seq, snapshot_len, start, CHUNK)
+    if max_chunks is None:
+        max_chunks = default_max_chunks(v.shape[0], num_seqs, CHUNK)
+    o, final, snaps = _chunked_pallas(q, k, v, g, beta, cu, init, snap_seq, snap_len, start,
+                                      scale=scale, use_qk_l2norm=use_qk_l2norm, max_chunks=max_chunks,
+                                      block_dv=block_dv, matmul_dtype=jnp.dtype(matmul_dtype).name,
+                                      interpret=interpret)
+    return o.astype(v.dtype), final, (None if snapshot_seq is None else snaps)
