@@ -307,9 +307,10 @@ def paged_attention_read(q, k_pool, v_pool, layer, r, window=None, *, num_splits
     if stages is None:
         stages = default_stages(hd, jnp.dtype(k_pool.dtype).itemsize)
 
-    # q2[h, t * G + g] = q[t, h * G + g], padded so the last tile's 64-row copy stays in bounds.
+    # q2[h, t * G + g] = q[t, h * G + g], padded so the last tile's 64-row copy stays in bounds and
+    # to whole 8-row tiles (Mosaic GPU's TMA into tiled SMEM asks that of the GMEM array too).
     q2 = q.astype(k_pool.dtype).reshape(T, nkv, G, hd).transpose(1, 0, 2, 3).reshape(nkv, T * G, hd)
-    q2 = jnp.pad(q2, ((0, 0), (0, ROWS), (0, 0)))
+    q2 = jnp.pad(q2, ((0, 0), (0, ROWS + (-T * G) % 8), (0, 0)))
     bp = KEY_BLOCK // ps
     out_rows = -(-tq * G // 8) * 8  # rows written back per tile: whole 8-row SMEM tiles
     dt = k_pool.dtype

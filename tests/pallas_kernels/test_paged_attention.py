@@ -14,6 +14,7 @@ in seconds; the whole file runs in well under a minute on 2 CPU cores.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -148,6 +149,27 @@ def test_default_num_splits():
     assert default_num_splits(programs=16, max_blocks=512, num_sms=132) == 8  # batch 8: one wave
     assert default_num_splits(programs=2, max_blocks=8, num_sms=132) == 1  # short context
     assert default_num_splits(programs=128, max_blocks=512, num_sms=132) == 1  # batch 64, 2 kv heads
+
+
+@pytest.mark.parametrize("mode,nh,nkv,hd,ps,splits", [
+    ("decode", 16, 2, 256, 16, 4),  # Qwen3.5-like full attention, split-K
+    ("decode", 16, 2, 256, 64, None),
+    ("decode", 32, 8, 128, 16, None),  # GQA 4, d 128: the 3-stage ring
+    ("extend", 16, 2, 256, 16, 2),
+    ("extend", 4, 4, 128, 32, None),  # MHA: 64-token query tiles, odd T * G
+])
+def test_lowers_for_cuda(mode, nh, nkv, hd, ps, splits):
+    """The GPU code path (not the interpreter's) goes through Pallas -> Mosaic GPU lowering for
+    sm_90 on the CPU: layouts, SMEM transforms, TMA shapes and the SMEM budget (227 KiB) are checked
+    there without a GPU. Nothing is compiled to SASS or run."""
+    rng = np.random.default_rng(7)
+    new = [1, 1, 1] if mode == "decode" else [70, 30, 1]
+    q, k, v, kp, vp, layer, r = make_batch(rng, [0, 100, 37], new, nh=nh, nkv=nkv, hd=hd, ps=ps,
+                                           dtype=jnp.bfloat16, pad_tokens=1)
+    f = jax.jit(lambda q, k, v, kp, vp, r: paged_attention(q, k, v, kp, vp, layer, r, None, num_splits=splits,
+                                                           decode=mode == "decode"))
+    text = f.trace(q, k, v, kp, vp, r).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
 
 
 def test_rejects_bad_shapes():
