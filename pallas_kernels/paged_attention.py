@@ -92,12 +92,18 @@ def _kernel(layer_ref, tiles_ref, pt_ref, q_ref, kp_ref, vp_ref, acc_ref, m_ref,
 
     plgpu.copy_gmem_to_smem(q_ref.at[h, pl.ds(q_row0, ROWS)], q_smem, q_bar)
 
-    def issue(jj):
+    max_blk = pt_ref.shape[1] // bp
+
+    def pages_of(jj):
+        """Page ids of block lo + jj (clamped into the table: ids of blocks past the split are
+        read, never used). Read a block ahead of their copies, so no GMEM load stalls an issue."""
+        blk = jnp.minimum(lo + jj, max_blk - 1)
+        return tuple(pt_ref[row, blk * bp + p] for p in range(bp))
+
+    def issue(jj, pages):
         """Copies of block lo + jj (one TMA per page, each on its own barrier) into its ring slot."""
         slot = lax.rem(jj, jnp.int32(stages))
-        blk = lo + jj
-        for p in range(bp):
-            page = pt_ref[row, blk * bp + p]
+        for p, page in enumerate(pages):
             dst = pl.ds(p * page_size, page_size)
             plgpu.copy_gmem_to_smem(kp_ref.at[layer, page, :, h, :], k_smem.at[slot, dst],
                                     k_bars.at[slot * bp + p])
@@ -105,9 +111,13 @@ def _kernel(layer_ref, tiles_ref, pt_ref, q_ref, kp_ref, vp_ref, acc_ref, m_ref,
                                     v_bars.at[slot * bp + p])
 
     for jj in range(stages - 1):
+        pages = pages_of(jnp.int32(jj))
+
         @pl.when(jj < nb)
         def _():
-            issue(jnp.int32(jj))
+            issue(jnp.int32(jj), pages)
+
+    ahead = pages_of(jnp.int32(stages - 1))
 
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     m0 = plgpu.layout_cast(jnp.full((ROWS,), NEG, jnp.float32), row_layout)
@@ -116,12 +126,14 @@ def _kernel(layer_ref, tiles_ref, pt_ref, q_ref, kp_ref, vp_ref, acc_ref, m_ref,
     plgpu.barrier_wait(q_bar)
 
     def body(jj, carry):
-        acc, m, l = carry
+        acc, m, l, ahead = carry[0], carry[1], carry[2], carry[3:]
         slot = lax.rem(jj, jnp.int32(stages))
 
         @pl.when(jj + stages - 1 < nb)
         def _():
-            issue(jj + stages - 1)  # into the slot block jj - 1 used (its WGMMAs have completed)
+            issue(jj + stages - 1, ahead)  # into the slot block jj - 1 used (its WGMMAs have completed)
+
+        ahead = pages_of(jj + stages)
 
         for p in range(bp):
             plgpu.barrier_wait(k_bars.at[slot * bp + p])
@@ -163,9 +175,9 @@ def _kernel(layer_ref, tiles_ref, pt_ref, q_ref, kp_ref, vp_ref, acc_ref, m_ref,
                 plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
 
             acc = pl.run_state(pv_fn)(plgpu.ACC.init(acc))
-        return acc, m_new, l
+        return (acc, m_new, l, *ahead)
 
-    acc, m, l = lax.fori_loop(0, nb, body, (acc0, m0, l0))
+    acc, m, l = lax.fori_loop(0, nb, body, (acc0, m0, l0, *ahead))[:3]
     o_smem[...] = acc
     m_smem[...] = m
     l_smem[...] = l
