@@ -208,12 +208,148 @@ def paged_attention_checks(interpret=False):
         yield r
 
 
+# Chunked prefill (pallas_kernels/gdn_chunked.py: jnp UT transform + Mosaic GPU chunk recurrence) at
+# model shapes, ~8k tokens. Cases: (kind, ragged, activation dtype, WGMMA operand dtype). Ragged
+# batches have an empty sequence, random start positions (not multiples of 64) and bucket padding;
+# every boundary the chunked form can produce is requested as a snapshot. The float64 oracle runs
+# token by token on the host over CH_ORACLE_HEADS value heads (heads are independent).
+CH_CASES = [
+    ("gdn", True, jnp.bfloat16, jnp.float32),
+    ("gdn", True, jnp.bfloat16, jnp.bfloat16),
+    ("kda", True, jnp.bfloat16, jnp.float32),
+    ("gdn", False, jnp.float32, jnp.float32),
+]
+CH_TOKENS = 8192
+CH_ORACLE_HEADS = 4
+# fp32 WGMMA operands run as tf32 (METHOD.md: near 3e-4 per product; the recurrence compounds a
+# little); bf16 operands between 1e-3 and 1e-2. o in bf16 adds its own rounding (~4e-3).
+CH_STATE_TOL = {jnp.float32: 2e-3, jnp.bfloat16: 2e-2}
+CH_O_TOL = {jnp.float32: 2e-3, jnp.bfloat16: 2e-2}
+
+
+def chunked_inputs(rng, *, kind, T, ragged, dtype, interpret=False):
+    m = dict(Hk=1, Hv=2, dk=64, dv=64) if interpret else MODELS[kind]
+    Hk, Hv, dk, dv = m["Hk"], m["Hv"], m["dk"], m["dv"]
+    if ragged:  # 9 sequences, one empty, 37 tokens of bucket padding
+        cuts = np.sort(rng.choice(np.arange(1, T - 37), 7, replace=False))
+        lens = np.diff(np.concatenate([[0], cuts, [T - 37]])).tolist()
+        lens.insert(3, 0)
+        start = rng.integers(0, 5000, len(lens))
+    else:
+        lens, start = [T], np.array([100])
+    normal = lambda *s: rng.standard_normal(size=s, dtype=np.float32)  # noqa: E731
+    g_shape = (T, Hv, dk) if kind == "kda" else (T, Hv)
+    x = dict(q=normal(T, Hk, dk), k=normal(T, Hk, dk), v=normal(T, Hv, dv),
+             g=-rng.uniform(0, 0.3 if kind == "kda" else 1, size=g_shape).astype(np.float32),
+             beta=rng.uniform(0, 1, size=(T, Hv)).astype(np.float32))
+    x = {n: np.asarray(jnp.asarray(a, dtype).astype(jnp.float32)) for n, a in x.items()}  # round once
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    init = normal(len(lens), Hv, dk, dv) * np.float32(0.5)
+    snap_seq, snap_len = [], []
+    for n, (L, s0) in enumerate(zip(lens, start)):
+        for t in range(L + 1):
+            if t in (0, L) or (s0 + t) % 64 == 0:
+                snap_seq.append(n)
+                snap_len.append(t)
+    return x, cu, init, start.astype(np.int32), np.array(snap_seq, np.int32), np.array(snap_len, np.int32)
+
+
+def chunked_oracle64(x, cu, init, snap_seq, snap_len, heads):
+    """Token-by-token delta rule in float64 on the value heads ``heads``: (o [T, len(heads), dv],
+    finals [N, len(heads), dk, dv], snapshots [S, len(heads), dk, dv])."""
+    q, k, v, g, beta = (np.asarray(x[n], np.float64) for n in ("q", "k", "v", "g", "beta"))
+    l2 = lambda a: a / np.sqrt((a * a).sum(-1, keepdims=True) + 1e-6)  # noqa: E731
+    group = v.shape[1] // k.shape[1]
+    q, k = l2(q)[:, heads // group] * q.shape[-1] ** -0.5, l2(k)[:, heads // group]
+    v, beta = v[:, heads], beta[:, heads]
+    g = g[:, heads] if g.ndim == 3 else g[:, heads][..., None]
+    o = np.zeros(v.shape)
+    finals = np.zeros((len(cu) - 1, len(heads), q.shape[-1], v.shape[-1]))
+    snaps = np.zeros((len(snap_seq), *finals.shape[1:]))
+    for n in range(len(cu) - 1):
+        s = np.asarray(init[n][heads], np.float64)
+        want = {int(t): np.flatnonzero((snap_seq == n) & (snap_len == t)) for t in snap_len[snap_seq == n]}
+        for t in range(cu[n], cu[n + 1] + 1):
+            if t - cu[n] in want:
+                snaps[want[t - cu[n]]] = s
+            if t == cu[n + 1]:
+                break
+            s = np.exp(g[t])[..., None] * s
+            delta = beta[t][:, None] * (v[t] - np.einsum("hk,hkv->hv", k[t], s))
+            s = s + k[t][..., None] * delta[:, None, :]
+            o[t] = np.einsum("hk,hkv->hv", q[t], s)
+        finals[n] = s
+    return o, finals, snaps
+
+
+def check_chunked(kind, ragged, dtype, mm_dtype, seed, interpret=False):
+    from pallas_kernels.gdn_chunked import gdn_chunked_pallas
+    from pallas_kernels.gdn_reference import gdn_chunked
+    from pallas_kernels.kda_reference import kda_chunked
+
+    rng = np.random.default_rng(seed)
+    T = 300 if interpret else CH_TOKENS
+    x, cu, init, start, snap_seq, snap_len = chunked_inputs(rng, kind=kind, T=T, ragged=ragged, dtype=dtype,
+                                                            interpret=interpret)
+    xd = {n: jnp.asarray(a, dtype) for n, a in x.items()}
+    idx = dict(cu_seqlens=jnp.asarray(cu), initial_state=jnp.asarray(init), start_pos=jnp.asarray(start),
+               snapshot_seq=jnp.asarray(snap_seq), snapshot_len=jnp.asarray(snap_len))
+    kernel = jax.jit(lambda x, idx: gdn_chunked_pallas(**x, **idx, matmul_dtype=mm_dtype, interpret=interpret))
+    t0 = time.perf_counter()
+    o, fin, snaps = jax.block_until_ready(kernel(xd, idx))
+    first_call_s = time.perf_counter() - t0
+    o2, fin2, snaps2 = kernel(xd, idx)
+    deterministic = bool(np.array_equal(np.asarray(o2.astype(jnp.float32)), np.asarray(o.astype(jnp.float32)))
+                         and np.array_equal(np.asarray(fin2), np.asarray(fin))
+                         and np.array_equal(np.asarray(snaps2), np.asarray(snaps)))
+    o, fin, snaps = np.asarray(o.astype(jnp.float32)), np.asarray(fin), np.asarray(snaps)
+    ref = kda_chunked if kind == "kda" else gdn_chunked
+    o_j, fin_j, snaps_j = jax.jit(lambda x, idx: ref(**x, **idx))(xd, idx)
+    o_j, fin_j, snaps_j = np.asarray(o_j.astype(jnp.float32)), np.asarray(fin_j), np.asarray(snaps_j)
+    Hv = x["v"].shape[1]
+    heads = np.sort(rng.choice(Hv, min(CH_ORACLE_HEADS, Hv), replace=False))
+    o64, fin64, snaps64 = chunked_oracle64(x, cu, init, snap_seq, snap_len, heads)
+    n_real = int(cu[-1])
+    mm, dt = jnp.dtype(mm_dtype).type, jnp.dtype(dtype).type
+    state_tol = CH_STATE_TOL[mm]
+    o_tol = max(CH_O_TOL[mm], CH_O_TOL[dt])
+    res = dict(kernel=f"{kind}_chunked", variant=f"chunked_{jnp.dtype(mm_dtype).name}mm", B=len(cu) - 1,
+               dtype=jnp.dtype(dtype).name, seed=seed, tokens=n_real, T=T, ragged=ragged,
+               snapshots=len(snap_seq), oracle_heads=heads.tolist(),
+               o_rel_err=rel(o[:n_real, heads], o64[:n_real]),
+               state_rel_err=rel(np.concatenate([fin[:, heads], snaps[:, heads]]), np.concatenate([fin64, snaps64])),
+               o_rel_err_vs_jnp=rel(o[:n_real], o_j[:n_real]),
+               state_rel_err_vs_jnp=rel(np.concatenate([fin, snaps]), np.concatenate([fin_j, snaps_j])),
+               jnp_o_rel_err=rel(o_j[:n_real, heads], o64[:n_real]),
+               finite=bool(np.isfinite(o).all() and np.isfinite(fin).all() and np.isfinite(snaps).all()),
+               padding_zero=bool((o[n_real:] == 0).all()), deterministic=deterministic,
+               first_call_s=round(first_call_s, 2))
+    res["ok"] = bool(res["finite"] and res["padding_zero"] and res["deterministic"]
+                     and res["o_rel_err"] < o_tol and res["state_rel_err"] < state_tol
+                     and res["o_rel_err_vs_jnp"] < o_tol and res["state_rel_err_vs_jnp"] < state_tol)
+    return res
+
+
+def chunked_checks(interpret=False):
+    """Every CH_CASES case, one record each; a case that raises is recorded as an error."""
+    cases = CH_CASES[:1] + CH_CASES[2:3] if interpret else CH_CASES
+    for seed, (kind, ragged, dtype, mm_dtype) in enumerate(cases, 201):
+        try:
+            r = check_chunked(kind, ragged, dtype, mm_dtype, seed, interpret)
+        except Exception as e:  # keep going: one broken case must not hide the others
+            r = dict(kernel=f"{kind}_chunked", variant=f"chunked_{jnp.dtype(mm_dtype).name}mm", B=-1,
+                     dtype=jnp.dtype(dtype).name, ok=False, ragged=ragged,
+                     error=f"{type(e).__name__}: {str(e)[:2000]}")
+        yield r
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--batches", default="1,64,256,512")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke run of this script (slow: use --batches 1)")
-    ap.add_argument("--suites", default="decode,paged_attention", help="decode (GDN/KDA), paged_attention")
+    ap.add_argument("--suites", default="decode,paged_attention,chunked",
+                    help="decode (GDN/KDA), paged_attention, chunked (GDN/KDA prefill)")
     args = ap.parse_args()
     suites = args.suites.split(",")
     print(jax.devices())
@@ -239,6 +375,11 @@ def main():
         log.write(json.dumps(r) + "\n")
         log.flush()
     for r in (paged_attention_checks(args.interpret) if "paged_attention" in suites else ()):
+        results.append(r)
+        print(json.dumps(r), flush=True)
+        log.write(json.dumps(r) + "\n")
+        log.flush()
+    for r in (chunked_checks(args.interpret) if "chunked" in suites else ()):
         results.append(r)
         print(json.dumps(r), flush=True)
         log.write(json.dumps(r) + "\n")

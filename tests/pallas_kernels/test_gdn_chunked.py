@@ -166,3 +166,20 @@ def test_rejects_bad_shapes():
         gdn_chunked_pallas(**x, cu_seqlens=cu, block_dv=32, interpret=True)
     with pytest.raises(ValueError, match="gate"):
         gdn_chunked_pallas(**{**x, "g": x["g"][:-1]}, cu_seqlens=cu, interpret=True)
+
+
+@pytest.mark.parametrize("kda,matmul_dtype", [(False, "float32"), (True, "float32"), (False, "bfloat16")])
+def test_lowers_for_cuda_at_model_shapes(kda, matmul_dtype):
+    """The GPU code path (not the interpreter's) goes through Pallas -> Mosaic GPU lowering for
+    sm_90 on the CPU at Qwen3-Next / Kimi-Linear shapes (dk = dv = 128, 32 value heads, bf16
+    activations): layouts, SMEM transforms, TMA shapes and the 227 KiB SMEM budget are checked
+    there without a GPU. Nothing is compiled to SASS or run."""
+    T, Hk, Hv, d = 256, 32 if kda else 16, 32, 128
+    rng = np.random.default_rng(3)
+    x, cu, init = make_inputs(rng, lens=[100, 150], T=T, Hk=Hk, Hv=Hv, dk=d, dv=d, kda=kda, dtype=jnp.bfloat16)
+    snap = jnp.zeros(3, jnp.int32)
+    f = jax.jit(lambda x, cu, init, start: gdn_chunked_pallas(
+        **x, cu_seqlens=cu, initial_state=init, start_pos=start, snapshot_seq=snap, snapshot_len=snap,
+        matmul_dtype=matmul_dtype))
+    text = f.trace(x, cu, init, jnp.asarray([5, 64], jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
