@@ -36,6 +36,15 @@ as soon as a visible key appears. Unlike the reference the kernel does not zero 
 before ``P V`` (their weights are exactly 0): pages must hold finite numbers, which the engine's
 zero-initialised pools, written only with finite K/V, guarantee.
 
+Cost model (decode): the kernel must read every visible K/V byte once,
+``sum(len_b) * nkv * hd * 2 * itemsize``; FLOPs are ``4 * sum(len_b) * nh * hd`` (the WGMMAs do
+``64 / G`` times that: padding rows), far below the tensor cores' rate, so the floor is the K/V
+bytes over HBM bandwidth (about 4.0e12 B/s on the H200). benchmarks/kernels.py times it against
+that floor (suite ``paged_attention``); benchmarks/gpu_check.py checks it at model shapes. Neither
+has run on a GPU yet: correctness is established in the GPU interpreter (tests), and the GPU code
+path is lowered through Mosaic GPU for sm_90 on the CPU in the tests (layouts, transforms, TMA
+shapes, SMEM budget), but never compiled to SASS or timed.
+
 Contract: ``64 % page_size == 0`` and ``page_size % 8 == 0`` (a page lands on whole 8-row SMEM
 tiles: page sizes 8, 16, 32, 64); ``head_dim % 64 == 0`` (128 and 256 are the targets; WGMMA N and
 the 128-byte swizzle); ``nh % nkv == 0`` with ``G = nh // nkv <= 64``; q and the pools in bf16 or
@@ -288,8 +297,9 @@ def paged_attention(q, k, v, k_pool, v_pool, layer, r, window=None, *, num_split
     positions, cu_seqlens, seq and page_table are read); ``window`` for sliding layers.
     Call it inside the jitted step with the pools donated (the K/V write is then in place).
 
-    Static knobs: ``decode`` (every row has at most one new token: one query tile per token;
-    default: ``T == num_rows``), ``num_splits`` (split-K programs per tile, default from the grid
+    Static knobs: ``decode`` (one query tile per token: right for any batch, efficient when rows
+    have one new token each, e.g. a decode step padded to a bucket; default: ``T == num_rows``;
+    otherwise tiles of ``64 // G`` tokens of a row), ``num_splits`` (split-K programs per tile, default from the grid
     size and the page table's width vs the SM count), ``stages`` (SMEM ring depth),
     ``interpret`` (Mosaic GPU's GPU interpreter, for CPU tests).
     """
