@@ -212,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--needle-tokens", type=int, nargs=2, default=(1000, 4000), metavar=("MIN", "MAX"),
                     help="needle context length range (about 12 tokens per line)")
     pr.add_argument("--max-tokens", type=int, default=16)
+    pr.add_argument("--kinds", default="arithmetic,needle,recall", help="probe kinds to send (comma-separated)")
     pr.add_argument("--repeats", type=int, default=4, help="full sends of each distinct prompt (one cold, the rest hits)")
     pr.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     pr.add_argument("--api-key", default=None)

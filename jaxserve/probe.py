@@ -76,26 +76,27 @@ def needle_sibling(probe: tasks.Probe, rng: random.Random) -> tasks.Probe | None
     return tasks.Probe("needle", msgs, tasks.answer_of(msgs + [{"role": "assistant", "content": ""}]))
 
 
-def distinct_prompts(count: int, seed: int, needle_tokens: tuple[int, int]) -> list[tasks.Probe]:
+def distinct_prompts(count: int, seed: int, needle_tokens: tuple[int, int],
+                     kinds: tuple[str, ...] = tasks.KINDS) -> list[tasks.Probe]:
     """``count`` prompts, kinds in turn; every second needle is a sibling of the one before."""
-    per_kind = -(-count // len(tasks.KINDS))
-    by_kind = {k: [p for p in tasks.probes(per_kind, seed, needle_tokens) if p.kind == k] for k in tasks.KINDS}
+    per_kind = -(-count // len(kinds))
+    by_kind = {k: [p for p in tasks.probes(per_kind, seed, needle_tokens) if p.kind == k] for k in kinds}
     rng = random.Random(seed)
-    needles = by_kind["needle"]
+    needles = by_kind.get("needle", [])
     for i in range(1, len(needles), 2):
         needles[i] = needle_sibling(needles[i - 1], rng) or needles[i]
-    out = [by_kind[k][i] for i in range(per_kind) for k in tasks.KINDS]
+    out = [by_kind[k][i] for i in range(per_kind) for k in kinds]
     return out[:count]
 
 
 def plan(n: int, abort_fraction: float, seed: int, needle_tokens: tuple[int, int] = (1000, 4000),
-         repeats: int = REPEATS) -> list[Job]:
+         repeats: int = REPEATS, kinds: tuple[str, ...] = tasks.KINDS) -> list[Job]:
     """``n`` jobs in sending order: round 0 sends every distinct prompt cold, later rounds repeat
     them (shuffled), aborted streams of random prompts are scattered everywhere."""
     n_abort = min(n - 1, round(n * abort_fraction))
     n_full = n - n_abort
     count = -(-n_full // repeats)
-    prompts = distinct_prompts(count, seed, needle_tokens)
+    prompts = distinct_prompts(count, seed, needle_tokens, kinds)
     rng = random.Random(seed + 1)
     order: list[tuple[int, str]] = []
     for r in range(repeats):
@@ -437,11 +438,12 @@ async def _idle_metrics(client: Client, wait_s: float = 10.0) -> dict[str, float
 async def probe(url: str, *, n: int = 500, concurrency: int = 8, abort_fraction: float = 0.3, seed: int = 0,
                 needle_tokens: tuple[int, int] = (1000, 4000), reference_url: str | None = None,
                 api_key: str | None = None, model: str | None = None, max_tokens: int = 16,
-                repeats: int = REPEATS, timeout: float = 600.0, show_progress: bool = False) -> dict[str, Any]:
+                repeats: int = REPEATS, kinds: tuple[str, ...] = tasks.KINDS, timeout: float = 600.0,
+                show_progress: bool = False) -> dict[str, Any]:
     """Run the whole probe; returns the report (``render`` prints it)."""
     import httpx
 
-    jobs = plan(n, abort_fraction, seed, needle_tokens, repeats)
+    jobs = plan(n, abort_fraction, seed, needle_tokens, repeats, kinds)
 
     tty = sys.stderr.isatty()
 
@@ -474,7 +476,7 @@ async def probe(url: str, *, n: int = 500, concurrency: int = 8, abort_fraction:
         raise ProbeError(f"no request to {url} completed: {first}")
     report = {"url": url, "model": main.model, "reference_url": reference_url, "requests": n,
               "concurrency": concurrency, "abort_fraction": abort_fraction, "seed": seed, "max_tokens": max_tokens,
-              "needle_tokens": list(needle_tokens), "compared_by": "tokens" if main.logprobs else "text",
+              "needle_tokens": list(needle_tokens), "kinds": list(kinds), "compared_by": "tokens" if main.logprobs else "text",
               "elapsed_s": elapsed}
     report.update(analyze(results, reference))
     report["server"] = server_state(metrics) if metrics is not None else None
@@ -489,10 +491,12 @@ def main(args) -> int:
     except ImportError as e:
         raise ProbeError(f"the probe needs httpx (pip install -e '.[server]'): {e}") from None
     lo, hi = args.needle_tokens
+    kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
     checks = [(args.n >= 1, "--n must be >= 1"), (args.concurrency >= 1, "--concurrency must be >= 1"),
               (0 <= args.abort_fraction < 1, "--abort-fraction must be in [0, 1)"),
               (12 < lo <= hi, "--needle-tokens needs 12 < MIN <= MAX"), (args.max_tokens >= 1, "--max-tokens must be >= 1"),
-              (args.repeats >= 1, "--repeats must be >= 1"), (args.url.startswith(("http://", "https://")),
+              (args.repeats >= 1, "--repeats must be >= 1"),
+              (kinds and set(kinds) <= set(tasks.KINDS), f"--kinds must name some of {','.join(tasks.KINDS)}"), (args.url.startswith(("http://", "https://")),
                                                             f"--url must start with http:// or https://, got {args.url!r}")]
     for ok, why in checks:
         if not ok:
@@ -500,6 +504,6 @@ def main(args) -> int:
     report = asyncio.run(probe(
         args.url, n=args.n, concurrency=args.concurrency, abort_fraction=args.abort_fraction, seed=args.seed,
         needle_tokens=(lo, hi), reference_url=args.reference_url, api_key=args.api_key, model=args.model,
-        max_tokens=args.max_tokens, repeats=args.repeats, timeout=args.timeout, show_progress=not args.json))
+        max_tokens=args.max_tokens, repeats=args.repeats, kinds=kinds, timeout=args.timeout, show_progress=not args.json))
     print(json.dumps(report) if args.json else render(report))
     return 1 if report["corruption"] else 0

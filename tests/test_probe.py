@@ -47,6 +47,7 @@ def test_plan_shape(n, frac, seed, repeats):
     assert len(colds) == len(set(colds))
     assert {j.key for j in jobs} == set(colds)
     assert probe.plan(n, frac, seed, (20, 60), repeats) == jobs  # deterministic
+    assert {j.kind for j in probe.plan(n, frac, seed, (20, 60), repeats, kinds=("recall",))} == {"recall"}
 
 
 def test_needle_siblings_share_their_context():
@@ -157,6 +158,8 @@ def test_usage_and_connection_errors_exit_2(capsys):
     assert main(["probe", "--url", "localhost:8000"]) == 2
     assert main(["probe", "--url", "http://x", "--abort-fraction", "1"]) == 2
     assert "--abort-fraction" in capsys.readouterr().err
+    assert main(["probe", "--url", "http://x", "--kinds", "needle,poetry"]) == 2
+    assert "--kinds" in capsys.readouterr().err
 
 
 def test_fault_flag_reaches_the_engine():
@@ -227,7 +230,8 @@ def test_hammer_clean_server(serve, capsys):
 @pytest.mark.parametrize("fault", ["stale-snapshot", "wrong-snapshot"])
 def test_hammer_catches_injected_fault(serve, capsys, fault):
     url, _ = serve(debug_fault=fault)
-    rc, rep = _probe(capsys, url, "--n", "80", "--abort-fraction", "0.2", "--seed", "3", "--max-tokens", "12")
+    # Only the kinds long enough to hit (arithmetic prompts are shorter than one x64 boundary).
+    rc, rep = _probe(capsys, url, "--kinds", "needle,recall", "--n", "40", "--abort-fraction", "0.25", "--seed", "0")
     assert rep["totals"]["hit_vs_cold_mismatches"] > 0 and rep["corruption"]
     assert rc == 1
 
@@ -236,7 +240,7 @@ def test_reference_url(serve, capsys):
     """Two clean servers agree answer for answer."""
     a, _ = serve()
     b, _ = serve()
-    rc, rep = _probe(capsys, a, "--reference-url", b, "--n", "30", "--abort-fraction", "0.2", "--seed", "4")
+    rc, rep = _probe(capsys, a, "--reference-url", b, "--n", "24", "--abort-fraction", "0.2", "--seed", "4")
     t = rep["totals"]
     assert t["reference_compared"] == t["completed"] > 0 and t["reference_mismatches"] == 0, rep["mismatch_examples"]
     assert rc == 0
