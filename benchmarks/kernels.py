@@ -69,6 +69,8 @@ def case_key(case):
     m = case
     if m.get("suite") == "paged_attention":
         return paged_case_key(m)
+    if m.get("suite") == "chunked":
+        return chunked_case_key(m)
     return (f"{m['kind']}_decode", f"B={m['B']} Hk={m['Hk']} Hv={m['Hv']} dk={m['dk']} dv={m['dv']} ({m['model']})")
 
 
@@ -349,7 +351,7 @@ def fla_worker(cases_json):
     cases = json.loads(cases_json)
     for case in cases:
         try:
-            res = run_decode_fla(case)
+            res = run_chunked_fla(case) if case.get("suite") == "chunked" else run_decode_fla(case)
         except Exception as e:  # noqa: BLE001  (a CUDA fault usually kills the process instead)
             res = dict(error=f"{type(e).__name__}: {str(e)[:600]}")
         print("RESULT " + json.dumps(dict(case=case, res=res)), flush=True)
@@ -503,6 +505,164 @@ def run_paged_jax(case, allowed=None):
     return out
 
 
+# ------------------------------------------------------------------------------------------------
+# GDN chunked prefill (pallas_kernels/gdn_chunked.py: jnp UT transform + Mosaic GPU recurrence)
+# ------------------------------------------------------------------------------------------------
+
+# Qwen3-Next GDN layers (16 k-heads, 32 v-heads, d 128), bf16 activations, fp32 states. A case is
+# one prefill call over ``tokens`` tokens: one sequence (start_pos 0) or a ragged batch (random
+# lengths, random start positions, so most sequences start mid-chunk). Each sequence asks for one
+# snapshot, at its last x64 boundary (what the radix cache keeps). Roofline: the bytes the call must
+# move (q, k, v, g, beta read once, o written once, initial and final states and the snapshots).
+# Peer: fla's chunk_gated_delta_rule on the same tokens (cu_seqlens, one initial state per
+# sequence; its chunks start at each sequence's first token, it has no start_pos, no snapshots).
+CHUNKED_MODEL = dict(model="Qwen3-Next", Hk=16, Hv=32, dk=128, dv=128)
+CHUNKED_TOKENS = (8192, 65536)
+CHUNKED_RAGGED_SEQS = {8192: 8, 65536: 16}
+if os.environ.get("KERNELS_SMOKE"):
+    CHUNKED_MODEL = dict(CHUNKED_MODEL, Hk=1, Hv=2, dk=64, dv=64)
+    CHUNKED_TOKENS, CHUNKED_RAGGED_SEQS = (256,), {256: 3}
+# Kernel variants timed: WGMMA operands fp32 (tf32 on the GPU) or bf16; gated by gpu_check's rows.
+CHUNKED_VARIANTS = {"chunked_f32mm": "float32", "chunked_bf16mm": "bfloat16"}
+CHECKED_AS.update(chunked_f32mm="chunked_float32mm", chunked_bf16mm="chunked_bfloat16mm")
+
+
+def chunked_cases(quick=False):
+    tokens = CHUNKED_TOKENS[:1] if quick else CHUNKED_TOKENS
+    return [dict(suite="chunked", kind="gdn", tokens=T, ragged=ragged, **CHUNKED_MODEL)
+            for T in tokens for ragged in (False, True)]
+
+
+def chunked_case_key(m):
+    seqs = f"{CHUNKED_RAGGED_SEQS[m['tokens']]} seqs ragged" if m["ragged"] else "1 seq"
+    return ("gdn_chunked_prefill",
+            f"T={m['tokens']} {seqs} Hk={m['Hk']} Hv={m['Hv']} dk={m['dk']} dv={m['dv']} ({m['model']})")
+
+
+def chunked_layout(case):
+    """(lens, start_pos, snapshot_len) of the case's sequences: fixed per case (seeded by its shape)."""
+    import numpy as np
+
+    T = case["tokens"]
+    rng = np.random.default_rng(T + case["ragged"])
+    if case["ragged"]:
+        n = CHUNKED_RAGGED_SEQS[T]
+        cuts = np.sort(rng.choice(np.arange(1, T), n - 1, replace=False))
+        lens = np.diff(np.concatenate([[0], cuts, [T]]))
+        start = rng.integers(0, 4096, n)
+    else:
+        lens, start = np.array([T]), np.array([0])
+    snap = np.maximum((start + lens) // 64 * 64 - start, 0)  # last x64 boundary (0: the initial state)
+    return lens.astype(np.int32), start.astype(np.int32), snap.astype(np.int32)
+
+
+def chunked_bytes(case):
+    T, Hk, Hv, dk, dv = (case[n] for n in ("tokens", "Hk", "Hv", "dk", "dv"))
+    n = len(chunked_layout(case)[0])
+    activations = T * (2 * Hk * dk * 2 + Hv * dv * 2 + Hv * (4 + 2) + Hv * dv * 2)  # q k v g beta in, o out
+    return activations + 3 * n * Hv * dk * dv * 4  # initial states in, finals and snapshots out
+
+
+def chunked_inputs_np(case, seed=0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    T, Hk, Hv, dk, dv = (case[n] for n in ("tokens", "Hk", "Hv", "dk", "dv"))
+    f32 = lambda *s: rng.standard_normal(size=s, dtype=np.float32)  # noqa: E731
+    return dict(q=f32(T, Hk, dk), k=f32(T, Hk, dk), v=f32(T, Hv, dv),
+                g=-rng.uniform(0.0, 1.0, size=(T, Hv)).astype(np.float32),
+                beta=rng.uniform(0.0, 1.0, size=(T, Hv)).astype(np.float32))
+
+
+def run_chunked_jax(case, allowed=None):
+    """Ours (each WGMMA operand dtype gpu_check passed) and ``gdn_chunked`` under XLA: a jitted chain
+    of ``steps`` prefill calls, each one's final states the next one's initial states (donated)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels.gdn_chunked import gdn_chunked_pallas
+    from pallas_kernels.gdn_reference import gdn_chunked
+
+    lens, start, snap = chunked_layout(case)
+    steps = 1 if os.environ.get("KERNELS_SMOKE") or case["tokens"] > 16384 else 4
+    x = chunked_inputs_np(case)
+    dt = dict(q=jnp.bfloat16, k=jnp.bfloat16, v=jnp.bfloat16, g=jnp.float32, beta=jnp.bfloat16)
+    xd = {n: jnp.asarray(a, dt[n]) for n, a in x.items()}
+    idx = dict(cu_seqlens=jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32),
+               start_pos=jnp.asarray(start), snapshot_seq=jnp.arange(len(lens), dtype=jnp.int32),
+               snapshot_len=jnp.asarray(snap))
+    interpret = bool(os.environ.get("KERNELS_SMOKE"))
+    fns, out = {}, {}
+    for name, mm in CHUNKED_VARIANTS.items():
+        if allowed is not None and name not in allowed:
+            out[f"ours_{name}"] = dict(error="not run: failed or missing in gpu_check")
+            continue
+        fns[f"ours_{name}"] = (lambda mm: lambda x, s: gdn_chunked_pallas(
+            **x, **idx, initial_state=s, matmul_dtype=mm, interpret=interpret))(mm)
+    fns["jnp"] = lambda x, s: gdn_chunked(**x, **idx, initial_state=s)
+
+    def make_chain(call):
+        call = jax.jit(call)
+
+        def chain(state, x):
+            outs = []
+            for _ in range(steps):
+                o, state, snaps = call(x, state)
+                outs.append((o, snaps))
+            return state, outs
+        return jax.jit(chain, donate_argnums=(0,))
+
+    shape = (len(lens), case["Hv"], case["dk"], case["dv"])
+    for name, call in fns.items():
+        state = jax.random.normal(jax.random.key(1), shape, jnp.float32) * 0.1
+        try:
+            _, res = time_jax_chain(make_chain(call), state, (xd,), steps)
+        except Exception as e:  # noqa: BLE001
+            res = dict(error=f"{type(e).__name__}: {str(e)[:600]}")
+        res.update(steps=steps)
+        out[name] = res
+        print(f"  {name:20} {json.dumps(res)}", flush=True)
+    return out
+
+
+def run_chunked_fla(case):
+    """fla's chunk_gated_delta_rule (Triton) on the case's tokens, in a CUDA graph. If this fla
+    has no grouped value heads (Hv > Hk), q and k are repeated to Hv heads once, outside the timing."""
+    import numpy as np
+    import torch
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    lens, _, _ = chunked_layout(case)
+    x = chunked_inputs_np(case)
+    dev = "cuda"
+    dt = dict(q=torch.bfloat16, k=torch.bfloat16, v=torch.bfloat16, g=torch.float32, beta=torch.bfloat16)
+    t = {n: torch.from_numpy(a).to(dev, dt[n]).unsqueeze(0) for n, a in x.items()}  # [1, T, H, ...]
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), device=dev, dtype=torch.long)
+    state = torch.randn(len(lens), case["Hv"], case["dk"], case["dv"], device=dev, dtype=torch.float32) * 0.1
+    scale = case["dk"] ** -0.5
+
+    def make_call(q, k):
+        return lambda i: chunk_gated_delta_rule(q, k, t["v"], t["g"], t["beta"], scale=scale, initial_state=state,
+                                                output_final_state=True, cu_seqlens=cu,
+                                                use_qk_l2norm_in_kernel=True)
+
+    how = "grouped heads"
+    call = make_call(t["q"], t["k"])
+    try:
+        o, _ = call(0)
+        assert o.shape == t["v"].shape, f"o {tuple(o.shape)}"
+    except Exception as e:  # noqa: BLE001
+        group = case["Hv"] // case["Hk"]
+        call = make_call(t["q"].repeat_interleave(group, dim=2), t["k"].repeat_interleave(group, dim=2))
+        how = f"q/k repeated to Hv heads ({type(e).__name__})"
+    torch.cuda.synchronize()
+    res = time_torch_graph(call, 1)
+    res["peer"] = "fla chunk_gated_delta_rule"
+    res["peer_heads"] = how
+    return res
+
+
 @dataclasses.dataclass
 class Suite:
     cases: Callable[[bool], list]
@@ -512,7 +672,8 @@ class Suite:
 
 
 SUITES = {"decode": Suite(decode_cases, run_decode_jax, decode_state_bytes),
-          "paged_attention": Suite(paged_cases, run_paged_jax, paged_kv_bytes, has_peer=False)}
+          "paged_attention": Suite(paged_cases, run_paged_jax, paged_kv_bytes, has_peer=False),
+          "chunked": Suite(chunked_cases, run_chunked_jax, chunked_bytes)}
 
 
 def make_record(case, jax_res, peer_res, bandwidth_tbps, suite):
