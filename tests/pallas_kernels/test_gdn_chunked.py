@@ -183,3 +183,23 @@ def test_lowers_for_cuda_at_model_shapes(kda, matmul_dtype):
         matmul_dtype=matmul_dtype))
     text = f.trace(x, cu, init, jnp.asarray([5, 64], jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("kda", [False, True])
+def test_chunk_terms_match_reference(kda):
+    """The blocked (I + A)⁻¹ and the matmul form of u, w equal the reference's row-by-row solve."""
+    from pallas_kernels.gdn_chunked import chunk_terms, unit_lower_inverse
+    from pallas_kernels.kda_reference import _chunk_terms, l2norm
+
+    rng = np.random.default_rng(21)
+    M, H, C, dk, dv = 3, 2, 64, 32, 16
+    n = lambda *s: jnp.asarray(rng.normal(size=s).astype(np.float32))  # noqa: E731
+    q, k, v = l2norm(n(M, H, C, dk)), l2norm(n(M, H, C, dk)), n(M, H, C, dv)
+    g = -jnp.asarray(rng.uniform(0, 0.5, size=(M, H, C, dk if kda else 1)).astype(np.float32))
+    beta = jnp.asarray(rng.uniform(0, 1, size=(M, H, C)).astype(np.float32))
+    for got, want in zip(chunk_terms(q, k, v, g, beta), _chunk_terms(q, k, v, g, beta)):
+        assert rel(got, want) < 1e-5
+    A = jnp.tril(n(2, C, C) * 0.2, -1)
+    t = np.asarray(unit_lower_inverse(A), np.float64)
+    np.testing.assert_allclose(t @ (np.eye(C) + np.asarray(A, np.float64)), np.broadcast_to(np.eye(C), t.shape),
+                               atol=1e-5)
