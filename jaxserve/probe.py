@@ -325,8 +325,6 @@ class Client:
         return parse_metrics(resp.text) if resp.status_code == 200 else None
 
     async def send(self, job: Job) -> Result:
-        import httpx
-
         res = Result(job)
         t0 = time.perf_counter()
         body = {"model": self.model, "messages": list(job.messages), "stream": True, "temperature": 0,
@@ -476,8 +474,8 @@ async def probe(url: str, *, n: int = 500, concurrency: int = 8, abort_fraction:
         raise ProbeError(f"no request to {url} completed: {first}")
     report = {"url": url, "model": main.model, "reference_url": reference_url, "requests": n,
               "concurrency": concurrency, "abort_fraction": abort_fraction, "seed": seed, "max_tokens": max_tokens,
-              "needle_tokens": list(needle_tokens), "kinds": list(kinds), "compared_by": "tokens" if main.logprobs else "text",
-              "elapsed_s": elapsed}
+              "needle_tokens": list(needle_tokens), "kinds": list(kinds),
+              "compared_by": "tokens" if main.logprobs else "text", "elapsed_s": elapsed}
     report.update(analyze(results, reference))
     report["server"] = server_state(metrics) if metrics is not None else None
     report["corruption"] = verdict(report, report["server"])
@@ -494,10 +492,10 @@ def main(args) -> int:
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
     checks = [(args.n >= 1, "--n must be >= 1"), (args.concurrency >= 1, "--concurrency must be >= 1"),
               (0 <= args.abort_fraction < 1, "--abort-fraction must be in [0, 1)"),
-              (12 < lo <= hi, "--needle-tokens needs 12 < MIN <= MAX"), (args.max_tokens >= 1, "--max-tokens must be >= 1"),
-              (args.repeats >= 1, "--repeats must be >= 1"),
-              (kinds and set(kinds) <= set(tasks.KINDS), f"--kinds must name some of {','.join(tasks.KINDS)}"), (args.url.startswith(("http://", "https://")),
-                                                            f"--url must start with http:// or https://, got {args.url!r}")]
+              (12 < lo <= hi, "--needle-tokens needs 12 < MIN <= MAX"),
+              (args.max_tokens >= 1, "--max-tokens must be >= 1"), (args.repeats >= 1, "--repeats must be >= 1"),
+              (kinds and set(kinds) <= set(tasks.KINDS), f"--kinds must name some of {','.join(tasks.KINDS)}"),
+              (args.url.startswith(("http://", "https://")), f"--url must start with http:// or https://, got {args.url!r}")]
     for ok, why in checks:
         if not ok:
             raise ProbeError(why)
