@@ -29,7 +29,9 @@ Split of the work (first version):
   both SMEM operands K-major, and in the transposed form every operand is K-major as stored
   (``Sᵀ`` and ``v_newᵀ`` are written row-major from registers; ``w``, ``q exp G``, ``qk`` and the
   pre-transposed ``(k exp(G_last - G))ᵀ`` come by TMA). The next chunk's copy into a buffer is
-  issued as soon as the current chunk's last WGMMA reading that buffer has completed.
+  issued as soon as every thread is done with the current chunk's use of that buffer (a
+  warpgroup barrier after its last WGMMA or register load), so the copies of chunk c+1 overlap
+  the rest of chunk c. One buffer per operand (no ring): fp32 operands fill ~192 KiB of SMEM.
   When a chunk end is a requested state (a snapshot boundary or the sequence's end), the program
   writes ``Sᵀ`` to that request's row of a compact ``[R, Hv, dv, dk]`` output (R = sequences +
   snapshot requests; requests for the same chunk share a row), so no per-chunk state is stored.
@@ -184,35 +186,32 @@ def _kernel(first_ref, nchunks_ref, slot_ref, dl_ref, init_ref, w_ref, qd_ref, k
     def body(i, s):
         c = c0 + i
         more = i + 1 < nc
-        # The previous chunk's o / state stores must have read their SMEM before it is rewritten.
+        # The previous chunk's o / state stores must have read their SMEM before it is rewritten
+        # (the wait ends with a warpgroup barrier).
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         s_smem[...] = s.astype(mm_dtype)
         plgpu.commit_smem()
 
         # v_newᵀ = uᵀ - Sᵀ wᵀ
         plgpu.barrier_wait(w_bar)
-
         ws = _products([(s_smem, w_smem.T)], (block_dv, C))
+        plgpu.barrier_wait(u_bar)
+        vn = plgpu.load(u_smem, layout=tile) - ws
+        vn_smem[...] = vn.astype(mm_dtype)
+        # Every next-chunk copy is issued (by one thread) only after a commit_smem, whose
+        # warpgroup barrier guarantees all 128 threads are done reading the buffer it overwrites.
+        plgpu.commit_smem()
 
         @pl.when(more)
         def _():
             issue_w(c + 1)
-
-        plgpu.barrier_wait(u_bar)
-        vn = plgpu.load(u_smem, layout=tile) - ws
-
-        @pl.when(more)
-        def _():
             issue_u(c + 1)
-
-        vn_smem[...] = vn.astype(mm_dtype)
-        plgpu.commit_smem()
 
         # oᵀ = Sᵀ (q exp G)ᵀ + v_newᵀ qkᵀ
         plgpu.barrier_wait(qd_bar)
         plgpu.barrier_wait(qk_bar)
-
         o = _products([(s_smem, qd_smem.T), (vn_smem, qk_smem.T)], (block_dv, C))
+        plgpu.commit_smem()
 
         @pl.when(more)
         def _():
@@ -220,7 +219,6 @@ def _kernel(first_ref, nchunks_ref, slot_ref, dl_ref, init_ref, w_ref, qd_ref, k
 
         # S_newᵀ = exp(G_last) Sᵀ + v_newᵀ (k exp(G_last - G))
         plgpu.barrier_wait(kd_bar)
-
         kv = _products([(vn_smem, kd_smem.T)], (block_dv, dk))
         if per_channel_gate:
             plgpu.barrier_wait(g_bar)
@@ -229,10 +227,6 @@ def _kernel(first_ref, nchunks_ref, slot_ref, dl_ref, init_ref, w_ref, qd_ref, k
         else:
             decay = dl_ref[c, h]
         s_new = decay * s + kv
-
-        @pl.when(more)
-        def _():
-            issue_state_operands(c + 1)
 
         o_smem[...] = o
         slot = slot_ref[c]
@@ -243,6 +237,11 @@ def _kernel(first_ref, nchunks_ref, slot_ref, dl_ref, init_ref, w_ref, qd_ref, k
             st_smem[...] = s_new
 
         plgpu.commit_smem()
+
+        @pl.when(more)
+        def _():
+            issue_state_operands(c + 1)
+
         plgpu.copy_smem_to_gmem(o_smem, ot_ref.at[c, h, cols])
 
         @pl.when(snap)
