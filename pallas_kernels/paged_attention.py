@@ -288,6 +288,14 @@ def _check(q, k, v, k_pool, v_pool, r):
         raise ValueError("paged_attention: " + "; ".join(problems))
 
 
+def supports(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype, *, gpu: bool = True) -> bool:
+    """Whether the kernel takes this attention shape (``_check``'s rules); on a GPU only bf16/fp16."""
+    if gpu and jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return False
+    return (num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= ROWS and head_dim % 64 == 0
+            and page_size > 0 and KEY_BLOCK % page_size == 0 and page_size % 8 == 0)
+
+
 def paged_attention(q, k, v, k_pool, v_pool, layer, r, window=None, *, num_splits=None, stages=None,
                     decode=None, interpret=False):
     """``layers.paged_attention`` on the Mosaic GPU kernel. Returns ``(out [T, nh*hd], k_pool, v_pool)``.
