@@ -70,13 +70,10 @@ def _read_prompts_file(path: str) -> list:
 
 
 def _generate(args: argparse.Namespace) -> list[dict]:
-    from jaxserve.engine.llm import EngineArgs, build_engine
+    from jaxserve.engine.llm import build_engine
     from jaxserve.generate import SamplingParams
 
-    engine = build_engine(EngineArgs(
-        model=args.model or str(DEFAULT_MODEL_DIR), dtype=args.dtype, page_size=args.page_size,
-        max_prefill_length=args.max_prefill_length, max_running_requests=args.max_running_requests,
-        num_pages=args.num_pages, num_slots=args.num_slots, policy=args.policy, progress=not args.json))
+    engine = build_engine(_engine_args(args, progress=not args.json))
     if args.prompt_ids is not None:
         prompts = [_parse_ids(args.prompt_ids)]
     elif args.prompts_file is not None:
@@ -99,8 +96,8 @@ def _engine_args(args: argparse.Namespace, progress: bool):
     return EngineArgs(
         model=args.model or str(DEFAULT_MODEL_DIR), dtype=args.dtype, page_size=args.page_size,
         max_prefill_length=args.max_prefill_length, max_running_requests=args.max_running_requests,
-        num_pages=args.num_pages, num_slots=args.num_slots, policy=args.policy, progress=progress,
-        **({"max_model_len": args.max_model_len, "debug_snapshot_checksums": args.debug_snapshot_checksums,
+        num_pages=args.num_pages, num_slots=args.num_slots, policy=args.policy, kernels=args.kernels,
+        progress=progress, **({"max_model_len": args.max_model_len, "debug_snapshot_checksums": args.debug_snapshot_checksums,
             "debug_fault": args.debug_inject_fault} if args.command == "serve" else {}))
 
 
@@ -127,7 +124,7 @@ def _serve(args: argparse.Namespace) -> int:
         ("api_key", "set" if args.api_key else "none"), ("dtype", eargs.dtype), ("page_size", eargs.page_size),
         ("max_prefill_length", eargs.max_prefill_length), ("max_running_requests", eargs.max_running_requests),
         ("max_model_len", eargs.max_model_len), ("num_pages", eargs.num_pages), ("num_slots", eargs.num_slots),
-        ("policy", eargs.policy), ("debug_snapshot_checksums", eargs.debug_snapshot_checksums)]))
+        ("policy", eargs.policy), ("kernels", eargs.kernels), ("debug_snapshot_checksums", eargs.debug_snapshot_checksums)]))
     if eargs.debug_fault:
         log(f"WARNING: --debug-inject-fault {eargs.debug_fault}: cache hits are corrupted on purpose (tests only)")
     t0 = time.perf_counter()
@@ -158,6 +155,9 @@ def _add_engine_flags(p: argparse.ArgumentParser, dtype_default: str) -> None:
     p.add_argument("--num-pages", type=int, help="KV pages (default: from the memory budget)")
     p.add_argument("--num-slots", type=int, help="linear-state slots (default: from the memory budget)")
     p.add_argument("--policy", choices=("fcfs", "lpm"), default="fcfs")
+    p.add_argument("--kernels", choices=("auto", "jnp", "pallas"), default="auto",
+                   help="GDN decode and paged attention: the Pallas Mosaic GPU kernels (auto: on a GPU where the "
+                        "shapes fit) or jnp")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help=argparse.SUPPRESS)
     sv.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     g = sub.add_parser("generate", help="generate a completion offline for one prompt")
-    g.add_argument("--model", default=None, help="Hugging Face checkpoint folder (default: the model shipped in weights/default)")
+    _add_engine_flags(g, "bfloat16")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
@@ -193,14 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
-    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-    g.add_argument("--page-size", type=int, default=16)
-    g.add_argument("--max-prefill-length", type=int, default=8192, help="tokens per step (chunked prefill)")
-    g.add_argument("--max-running-requests", type=int, default=64)
-    g.add_argument("--num-pages", type=int, help="KV pages (default: from the memory budget)")
-    g.add_argument("--num-slots", type=int, help="linear-state slots (default: from the memory budget)")
-    g.add_argument("--policy", choices=("fcfs", "lpm"), default="fcfs")
     pr = sub.add_parser("probe", help="ground-truth probes and a cache hammer against any OpenAI-compatible server; "
                                       "exit 1 when a cache hit differs from its cold answer")
     pr.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.cache.allocator import PageAllocator, SlotAllocator
+from jaxserve.config import LINEAR_ATTENTION
 from jaxserve.cache.radix import HybridRadixCache
 from jaxserve.engine.engine import Engine, RequestOutput
 from jaxserve.engine.policy import make_policy
@@ -24,9 +25,14 @@ from jaxserve.engine.pools import device_budget, init_pools, plan_pools
 from jaxserve.engine.runner import Buckets, DeviceExecutor
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.generate import SamplingParams
+from jaxserve.models.gated_deltanet import use_decode_kernel
+from jaxserve.models.layers import use_attention_kernel
 from jaxserve.tokenizer import Tokenizer
 
 CPU_BUDGET_BYTES = 512 << 20  # a CPU device reports no memory; pools default to this budget there
+
+
+KERNEL_CHOICES = ("auto", "jnp", "pallas", "pallas-interpret")
 
 
 @dataclasses.dataclass
@@ -43,6 +49,7 @@ class EngineArgs:
     snapshot_fraction: float = 0.25
     max_snapshots_per_path: int | None = None  # bound the tree's snapshots on any root..leaf path
     policy: str = "fcfs"
+    kernels: str = "auto"  # ModelConfig.kernels: auto | jnp | pallas | pallas-interpret
     debug_snapshot_checksums: bool = False
     debug_fault: str | None = None  # TEST ONLY: "stale-snapshot" / "wrong-snapshot" corrupt every hit (Scheduler)
     progress: bool = True
@@ -51,10 +58,18 @@ class EngineArgs:
 def build_engine(args: EngineArgs) -> Engine:
     from weights import load_model
 
+    if args.kernels not in KERNEL_CHOICES:
+        raise ValueError(f"kernels={args.kernels!r}; choose one of {KERNEL_CHOICES}")
+
     model = load_model(args.model, dtype=args.dtype, progress=args.progress)
-    cfg, params = model.config, model.params
+    cfg, params = dataclasses.replace(model.config, kernels=args.kernels), model.params
     tokenizer = Tokenizer.from_dir(args.model)
     dtype = jnp.dtype(args.dtype)
+    # "pallas" on shapes a kernel cannot take: one clear error now, not a trace-time one at warm-up
+    if cfg.is_hybrid:
+        use_decode_kernel(cfg, dtype)
+    if any(t != LINEAR_ATTENTION for t in cfg.layer_types):
+        use_attention_kernel(cfg, dtype, args.page_size)
     max_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     mem_bytes = None
