@@ -186,6 +186,10 @@ def _kernel(first_ref, nchunks_ref, slot_ref, dl_ref, init_ref, w_ref, qd_ref, k
     def body(i, s):
         c = c0 + i
         more = i + 1 < nc
+        slot = slot_ref[c]  # scalar GMEM loads first: their latency hides behind the WGMMAs
+        snap = slot < num_rows
+        if not per_channel_gate:
+            decay = dl_ref[c, h]
         # The previous chunk's o / state stores must have read their SMEM before it is rewritten
         # (the wait ends with a warpgroup barrier).
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -224,13 +228,9 @@ def _kernel(first_ref, nchunks_ref, slot_ref, dl_ref, init_ref, w_ref, qd_ref, k
             plgpu.barrier_wait(g_bar)
             decay = plgpu.load(g_smem, layout=tile.reduce(0))
             decay = lax.broadcast_in_dim(decay, (block_dv, dk), [1])
-        else:
-            decay = dl_ref[c, h]
         s_new = decay * s + kv
 
         o_smem[...] = o
-        slot = slot_ref[c]
-        snap = slot < num_rows
 
         @pl.when(snap)
         def _():
