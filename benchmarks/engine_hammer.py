@@ -74,6 +74,8 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--precision", choices=("default", "highest"), default="default",
                     help="jax_default_matmul_precision (highest: fp32 matmuls without TF32/bf16 passes)")
+    ap.add_argument("--kernels", choices=("auto", "jnp", "pallas"), default="auto",
+                    help="GDN decode / paged attention backends (auto: the Mosaic GPU kernels on a GPU)")
     ap.add_argument("--control", action="store_true",
                     help="flush the cache before each round: cold-in-a-busy-batch vs cold-alone (the rounding floor)")
     ap.add_argument("--smoke", action="store_true", help="a tiny model and short prompts: checks the script on a CPU")
@@ -89,7 +91,7 @@ def main() -> None:
     folder = write_random_checkpoint(config, Path(tempfile.mkdtemp()) / "mid-qwen3_5", dtype=args.dtype, seed=0,
                                      init_std=0.5)
     engine = build_engine(EngineArgs(model=str(folder), dtype=args.dtype, page_size=16, max_prefill_length=1024,
-                                     max_running_requests=16, mem_fraction=0.3, debug_snapshot_checksums=True,
+                                     max_running_requests=16, mem_fraction=0.3, debug_snapshot_checksums=True, kernels=args.kernels,
                                      num_pages=2048 if args.smoke else None, num_slots=96 if args.smoke else None))
     sched = engine.scheduler
     vocab = config["vocab_size"] - 8
@@ -164,7 +166,7 @@ def main() -> None:
     record.update({
         "device": str(jax.devices()[0]), "date": time.strftime("%Y-%m-%d"),
         "model": f"random qwen3_5, 8 layers (6 GDN + 2 gated attention), hidden 1024, {args.dtype}",
-        "matmul_precision": args.precision, "control_cold_in_batch": args.control,
+        "matmul_precision": args.precision, "control_cold_in_batch": args.control, "kernels": args.kernels,
         "snapshot_checksum_mismatches": engine.snapshot_checksum_mismatches,
         "leaks_after_flush": leaks,
         "cached_token_share_of_target_prompts": cached_tokens / max(1, prompt_tokens),
