@@ -563,6 +563,18 @@ def chunked_bytes(case):
     return activations + 3 * n * Hv * dk * dv * 4  # initial states in, finals and snapshots out
 
 
+def chunked_flops(case):
+    """Matmul FLOPs of the chunked form (per chunk and value head, C = 64): K Kᵀ and Q Kᵀ scores
+    (2·C²·dk each), T applied to beta·v and beta·k·e^G (2·C²·(dv + dk)), and the recurrence's
+    w S, (q e^G) S, (k e^(G_last - G))ᵀ v_new (2·C·dk·dv each) and qk v_new (2·C²·dv). With the
+    measured tf32 matrix rate this is the compute floor beside the byte roofline (METHOD.md)."""
+    C, dk, dv = 64, case["dk"], case["dv"]
+    lens, start, _ = chunked_layout(case)
+    chunks = int(sum(-(-(s % C + n) // C) for n, s in zip(lens.tolist(), start.tolist())))
+    per = 2 * C * C * dk * 2 + 2 * C * C * (dk + dv) + 3 * 2 * C * dk * dv + 2 * C * C * dv
+    return chunks * case["Hv"] * per
+
+
 def chunked_inputs_np(case, seed=0):
     import numpy as np
 
@@ -620,7 +632,9 @@ def run_chunked_jax(case, allowed=None):
             _, res = time_jax_chain(make_chain(call), state, (xd,), steps)
         except Exception as e:  # noqa: BLE001
             res = dict(error=f"{type(e).__name__}: {str(e)[:600]}")
-        res.update(steps=steps)
+        res.update(steps=steps, flops=chunked_flops(case))
+        if "kernel_ms" in res:
+            res["tflops"] = round(res["flops"] / (res["kernel_ms"] * 1e-3) / 1e12, 2)
         out[name] = res
         print(f"  {name:20} {json.dumps(res)}", flush=True)
     return out
