@@ -85,6 +85,17 @@ def test_needle_training_follow_ups_ask_about_the_same_context(tok):
     assert all(len(p.messages) == 1 for p in tasks.probes(3, needle_tokens=(100, 200)) if p.kind == "needle")
 
 
+def test_training_arithmetic_mixes_digit_counts_probes_stay_uniform():
+    rng = random.Random(4)
+    ops = [int(x) for _ in range(400)
+           for x in re.fullmatch(r"What is (\d+) [+-] (\d+)\?", tasks.arithmetic(rng, mixed_digits=True)[0]["content"]).groups()]
+    counts = np.bincount([len(str(x)) for x in ops], minlength=5)[1:]
+    assert max(ops) <= 9999 and all(c > 120 for c in counts), counts  # ~200 each of 1..4 digits
+    probe_ops = [int(x) for p in tasks.probes(200, kinds=("arithmetic",))
+                 for x in re.fullmatch(r"What is (\d+) [+-] (\d+)\?", p.messages[0]["content"]).groups()]
+    assert np.mean([x >= 1000 for x in probe_ops]) > 0.8  # uniform over 0..9999: 90 % have 4 digits
+
+
 def test_recall_exact_form():
     rng = random.Random(2)
     for _ in range(200):
@@ -228,14 +239,20 @@ def smoke_runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("smoke")
     full = train.train(base / "full", 16, **kw)
     stopped = train.train(base / "resumed", 16, stop_at=8, **kw)
+    # a device call's time limit: resume at 8, stop at once, export what step 8 holds
+    limited = train.train(base / "resumed", 16, time_limit=0.0, **kw)
+    limited_export = load_model(limited["export"], dtype="float32", progress=False).params
     resumed = train.train(base / "resumed", 16, **kw)
-    return full, stopped, resumed, base
+    return full, (stopped, limited, limited_export), resumed, base
 
 
 def test_smoke_training_lowers_loss_and_resumes_exactly(smoke_runs):
-    full, stopped, resumed, base = smoke_runs
+    full, (stopped, limited, limited_export), resumed, base = smoke_runs
     assert full["start"] == 0 and full["last_loss"] < full["first_loss"] - 1.0, full
     assert stopped["stopped_at"] == 8 and resumed["start"] == 8
+    assert limited["start"] == 8 and limited["steps"] == 8 and limited["planned_steps"] == 16
+    rounded = jax.tree.map(lambda x: np.asarray(x).astype(ml_dtypes.bfloat16).astype(np.float32), stopped["final_params"])
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, limited_export), rounded)
     steps = sorted(int(p.name) for p in (base / "resumed" / "checkpoints").iterdir() if p.name.isdigit())
     assert steps == [12, 16]  # max_to_keep=2
     jax.tree.map(np.testing.assert_array_equal, full["final_params"], resumed["final_params"])

@@ -64,8 +64,18 @@ def name(rng: random.Random) -> str:
     return ("".join(syll) + rng.choice(_CODAS)).capitalize()
 
 
-def arithmetic(rng: random.Random) -> list[dict]:
-    a, b = rng.randint(0, 9999), rng.randint(0, 9999)
+def _operand(rng: random.Random, mixed_digits: bool) -> int:
+    """0..9999 uniformly (probes), or (training, ``mixed_digits``) first a digit count 1..4 uniformly,
+    then a number of that many digits: short operands teach digit alignment and carries early
+    instead of 90 % of examples being 4-digit."""
+    if not mixed_digits:
+        return rng.randint(0, 9999)
+    n = rng.randint(1, 4)
+    return rng.randint(0 if n == 1 else 10 ** (n - 1), 10**n - 1)
+
+
+def arithmetic(rng: random.Random, mixed_digits: bool = False) -> list[dict]:
+    a, b = _operand(rng, mixed_digits), _operand(rng, mixed_digits)
     op = rng.choice("+-")
     return [{"role": "user", "content": f"What is {a} {op} {b}?"},
             {"role": "assistant", "content": str(a + b if op == "+" else a - b)}]
@@ -128,11 +138,13 @@ def recall(rng: random.Random, min_between: int = 1, max_between: int = 4) -> li
 
 
 def example(kind: str, rng: random.Random, needle_tokens: tuple[int, int] = (1000, 4000),
-            count_tokens: Callable[[str], int] | None = None, needle_follow_ups: int = 0) -> list[dict]:
-    """One conversation of ``kind``; ``needle_follow_ups`` (training) adds up to that many more
-    questions about the same needle context."""
+            count_tokens: Callable[[str], int] | None = None, needle_follow_ups: int = 0,
+            mixed_digits: bool = False) -> list[dict]:
+    """One conversation of ``kind``. Training options (probes use neither): ``needle_follow_ups``
+    adds up to that many more questions about the same needle context; ``mixed_digits`` draws
+    arithmetic operands by digit count."""
     if kind == "arithmetic":
-        return arithmetic(rng)
+        return arithmetic(rng, mixed_digits)
     if kind == "needle":
         context = rng.randint(*needle_tokens)
         # no draw for probes (follow-ups 0): the held-out stream does not depend on the training option

@@ -261,7 +261,8 @@ def make_batch(tok, bucket: dict, seed: int, step: int) -> tuple[np.ndarray, np.
     mask = np.zeros((B, T), np.int32)
     for b in range(B):
         while True:
-            msgs = tasks.example(bucket["kind"], rng, bucket["needle"] or (0, 0), count, NEEDLE_FOLLOW_UPS)
+            msgs = tasks.example(bucket["kind"], rng, bucket["needle"] or (0, 0), count, NEEDLE_FOLLOW_UPS,
+                                 mixed_digits=True)
             ids, m = tasks.encode(tok, msgs)
             if len(ids) <= T:
                 break
@@ -481,10 +482,13 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
           lr: float | None = None, batch_tokens: int | None = None, ckpt_every: int = 200, warmup: int | None = None,
           curriculum: float = 0.25, vocab_size: int = gt_tokenizer.DEFAULT_VOCAB, log_every: int = 10,
           compute_dtype: str | None = None, kinds: tuple[str, ...] | None = None, stop_at: int | None = None,
-          log=print) -> dict:
+          time_limit: float | None = None, log=print) -> dict:
     """Train (resuming from DIR/checkpoints if present) and export to DIR/export. Returns a summary
     (``final_params``: the trained pytree). ``kinds`` restricts the buckets to those task kinds;
-    ``stop_at`` ends the run early after a checkpoint, without export (as a preempted run would)."""
+    ``stop_at`` ends the run early after a checkpoint, without export (as a preempted run would);
+    ``time_limit`` (seconds of training loop) ends it early too, but checkpoints AND exports what it
+    has (``stopped_at`` in the summary), so a run cut short by a device call's limit still returns a
+    model; rerun with the same ``steps`` to continue."""
     import orbax.checkpoint as ocp
 
     from jaxserve.tokenizer import Tokenizer
@@ -526,7 +530,13 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
     losses: list[float] = []
     timed_tokens, timed_s, wait_s = 0, 0.0, 0.0
     t_log = time.perf_counter()
+    t_loop = time.perf_counter()
+    timed_out = False
     for step in range(start, end):
+        if time_limit is not None and time.perf_counter() - t_loop > time_limit:
+            end, timed_out = step, True
+            log(f"time limit {time_limit:.0f}s reached at step {step}/{steps}: checkpointing and exporting")
+            break
         t0 = time.perf_counter()
         _, (bucket, (toks, mask)) = fetch.get()
         wait_s += time.perf_counter() - t0
@@ -551,14 +561,14 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
         mngr.save(end, args=ocp.args.StandardSave(state), force=True)
     mngr.wait_until_finished()
     mngr.close()
-    if end < steps:
+    if end < steps and not timed_out:
         return {"stopped_at": end, "start": start, "first_loss": losses[0] if losses else None,
                 "last_loss": losses[-1] if losses else None, "final_params": state.params}
 
     export(state.params, config, export_dir, export_dir)
     size = (export_dir / "model.safetensors").stat().st_size
     tps = timed_tokens / timed_s if timed_s else float("nan")
-    summary = {"steps": steps, "start": start, "first_loss": losses[0] if losses else None,
+    summary = {"steps": end, "planned_steps": steps, "start": start, "first_loss": losses[0] if losses else None,
                "last_loss": losses[-1] if losses else None, "params": n_params,
                "export": str(export_dir), "safetensors_bytes": size, "tokens_per_s": tps,
                "padded_tokens_per_step": batch_tokens, "final_params": state.params}
@@ -580,6 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--curriculum", type=float, default=0.25, help="fraction of steps before long needles join")
     ap.add_argument("--kinds", nargs="+", choices=tasks.KINDS, help="train on these task kinds only")
     ap.add_argument("--ckpt-every", type=int, default=200)
+    ap.add_argument("--time-limit", type=float, help="seconds of training, then checkpoint + export (resume later)")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), help="compute dtype (default bf16 on GPU)")
     ap.add_argument("--probes", type=int, default=100, help="held-out probes per task (0: no evaluation)")
@@ -594,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = train(args.out, args.steps, smoke=args.smoke, moe_variant=args.moe, seed=args.seed, lr=args.lr,
                     batch_tokens=args.batch_tokens, ckpt_every=args.ckpt_every, warmup=args.warmup,
                     curriculum=args.curriculum, log_every=args.log_every, compute_dtype=args.dtype,
-                    kinds=tuple(args.kinds) if args.kinds else None)
+                    kinds=tuple(args.kinds) if args.kinds else None, time_limit=args.time_limit)
     summary.pop("final_params")
     summary["train_wall_s"] = time.perf_counter() - t0
     print(json.dumps({"train": summary}), flush=True)
