@@ -340,9 +340,24 @@ def _chunked_pallas(q, k, v, g, beta, cu_seqlens, initial_state, snapshot_seq, s
     return o, final, jnp.where(valid[:, None, None, None], snaps, jnp.nan)
 
 
-def _check_tiling(q, v, block_dv, chunk_size):
+SMEM_BYTES = 227 * 1024  # per block on sm_90
+
+
+def smem_bytes(dk, block_dv, matmul_dtype) -> int:
+    """The kernel's SMEM: Sᵀ (fp32, plus an operand copy unless fp32), w, q e^G, kdᵀ, qk in the
+    operand dtype, uᵀ and the oᵀ staging in fp32, v_newᵀ in the operand dtype, the KDA gate."""
+    mm = jnp.dtype(matmul_dtype).itemsize
+    state = block_dv * dk * (4 + (0 if mm == 4 else mm))
+    operands = (3 * CHUNK * dk + CHUNK * CHUNK + block_dv * CHUNK) * mm
+    return state + operands + 2 * block_dv * CHUNK * 4 + dk * 4 + 1024  # + barriers, alignment
+
+
+def _check_tiling(q, v, block_dv, chunk_size, matmul_dtype):
     dk, dv = q.shape[-1], v.shape[-1]
     problems = []
+    if smem_bytes(dk, block_dv, matmul_dtype) > SMEM_BYTES:
+        problems.append(f"block_dv={block_dv}, dk={dk}, {jnp.dtype(matmul_dtype).name} operands need "
+                        f"{smem_bytes(dk, block_dv, matmul_dtype)} bytes of SMEM (> {SMEM_BYTES}): use block_dv=64")
     if chunk_size != CHUNK:
         problems.append(f"chunk_size={chunk_size}: the kernel is built for {CHUNK}")
     if dk % 64 or dk > 256:
@@ -374,7 +389,7 @@ def gdn_chunked_pallas(q, k, v, g, beta, *, cu_seqlens, initial_state=None, scal
             raise ValueError(f"GDN gate g {g.shape} must be [T, Hv] = {v.shape[:2]}")
         g = g[..., None]
     _check_args(q, k, v, g, beta, cu_seqlens, initial_state, snapshot_seq, snapshot_len)
-    _check_tiling(q, v, block_dv, chunk_size)
+    _check_tiling(q, v, block_dv, chunk_size, matmul_dtype)
     num_seqs = cu_seqlens.shape[0] - 1
     if start_pos is not None and start_pos.shape != (num_seqs,):
         raise ValueError(f"start_pos {start_pos.shape} != {(num_seqs,)}")

@@ -168,6 +168,9 @@ def test_rejects_bad_shapes():
     x, cu, init = make_inputs(rng, lens=[10], T=10, Hk=1, Hv=1, dk=64, dv=64, kda=False)
     with pytest.raises(ValueError, match="block_dv"):
         gdn_chunked_pallas(**x, cu_seqlens=cu, block_dv=32, interpret=True)
+    x2, cu2, _ = make_inputs(rng, lens=[10], T=10, Hk=1, Hv=1, dk=128, dv=128, kda=False)
+    with pytest.raises(ValueError, match="SMEM"):  # Mosaic GPU would fail at compile time on the GPU
+        gdn_chunked_pallas(**x2, cu_seqlens=cu2, block_dv=128, matmul_dtype=jnp.bfloat16, interpret=True)
     with pytest.raises(ValueError, match="gate"):
         gdn_chunked_pallas(**{**x, "g": x["g"][:-1]}, cu_seqlens=cu, interpret=True)
 
