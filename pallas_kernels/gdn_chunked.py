@@ -127,16 +127,19 @@ def chunk_terms(q, k, v, g, beta) -> ChunkTerms:
     )
 
 
-def _products(pairs, shape):
-    """``Σ a @ b`` over ``pairs`` of SMEM operands on the tensor cores, into a fresh fp32 accumulator
-    (read back, which waits for the WGMMAs). Always fresh, never accumulating into a carried value:
-    the GPU interpreter has no rule for the discharged WGMMA that ``run_state`` produces."""
-    def fn(acc):
-        for a, b in pairs:
-            plgpu.wgmma(acc, a, b)
-        return acc[...]
+def _products(*groups):
+    """For each ``(pairs, shape)`` group, ``Σ a @ b`` over its ``pairs`` of SMEM operands on the
+    tensor cores into a fresh fp32 accumulator. All groups' WGMMAs are issued before any result is
+    read back (the read waits for them), so independent products overlap on the tensor cores.
+    Always fresh accumulators, never accumulating into a carried value: the GPU interpreter has no
+    rule for the discharged WGMMA that ``run_state`` produces."""
+    def fn(*accs):
+        for acc, (pairs, _) in zip(accs, groups):
+            for a, b in pairs:
+                plgpu.wgmma(acc, a, b)
+        return tuple(acc[...] for acc in accs)
 
-    return pl.run_scoped(fn, plgpu.ACC(shape, jnp.float32))
+    return pl.run_scoped(fn, *(plgpu.ACC(shape, jnp.float32) for _, shape in groups))
 
 
 def _kernel(first_ref, nchunks_ref, slot_ref, dl_ref, init_ref, w_ref, qd_ref, kdt_ref, ut_ref, qk_ref,
@@ -198,7 +201,7 @@ def _kernel(first_ref, nchunks_ref, slot_ref, dl_ref, init_ref, w_ref, qd_ref, k
 
         # v_newᵀ = uᵀ - Sᵀ wᵀ
         plgpu.barrier_wait(w_bar)
-        ws = _products([(s_smem, w_smem.T)], (block_dv, C))
+        (ws,) = _products(([(s_smem, w_smem.T)], (block_dv, C)))
         plgpu.barrier_wait(u_bar)
         vn = plgpu.load(u_smem, layout=tile) - ws
         vn_smem[...] = vn.astype(mm_dtype)
@@ -211,19 +214,13 @@ def _kernel(first_ref, nchunks_ref, slot_ref, dl_ref, init_ref, w_ref, qd_ref, k
             issue_w(c + 1)
             issue_u(c + 1)
 
-        # oᵀ = Sᵀ (q exp G)ᵀ + v_newᵀ qkᵀ
+        # oᵀ = Sᵀ (q exp G)ᵀ + v_newᵀ qkᵀ  and  v_newᵀ (k exp(G_last - G)), issued together
         plgpu.barrier_wait(qd_bar)
         plgpu.barrier_wait(qk_bar)
-        o = _products([(s_smem, qd_smem.T), (vn_smem, qk_smem.T)], (block_dv, C))
-        plgpu.commit_smem()
-
-        @pl.when(more)
-        def _():
-            issue_o_operands(c + 1)
-
-        # S_newᵀ = exp(G_last) Sᵀ + v_newᵀ (k exp(G_last - G))
         plgpu.barrier_wait(kd_bar)
-        kv = _products([(vn_smem, kd_smem.T)], (block_dv, dk))
+        o, kv = _products(([(s_smem, qd_smem.T), (vn_smem, qk_smem.T)], (block_dv, C)),
+                          ([(vn_smem, kd_smem.T)], (block_dv, dk)))
+        # S_newᵀ = exp(G_last) Sᵀ + v_newᵀ (k exp(G_last - G))
         if per_channel_gate:
             plgpu.barrier_wait(g_bar)
             decay = plgpu.load(g_smem, layout=tile.reduce(0))
@@ -240,6 +237,7 @@ def _kernel(first_ref, nchunks_ref, slot_ref, dl_ref, init_ref, w_ref, qd_ref, k
 
         @pl.when(more)
         def _():
+            issue_o_operands(c + 1)
             issue_state_operands(c + 1)
 
         plgpu.copy_smem_to_gmem(o_smem, ot_ref.at[c, h, cols])
