@@ -24,7 +24,7 @@ Split of the work (first version):
       o     = (q exp G) S + qk v_new       # [64, dv]
       S     = exp(G_last) S + (k exp(G_last - G))ᵀ v_new
 
-  all three products on the tensor cores (WGMMA). The program holds the TRANSPOSED state
+  every product on the tensor cores (WGMMA; the o and state-update products are issued together). The program holds the TRANSPOSED state
   ``Sᵀ [block_dv, dk]`` and computes ``v_newᵀ``, ``oᵀ`` and ``S_newᵀ``: fp32 (tf32) WGMMA needs
   both SMEM operands K-major, and in the transposed form every operand is K-major as stored
   (``Sᵀ`` and ``v_newᵀ`` are written row-major from registers; ``w``, ``q exp G``, ``qk`` and the
@@ -44,7 +44,12 @@ fp32 (default) runs as tf32 on the GPU (~3e-4 relative); bf16 halves SMEM and co
 bf16-operand accuracy (what fla's kernels do). Under interpretation (CPU) the products are fp32.
 
 Contract: ``dk % 64 == 0``, ``dv % block_dv == 0`` with ``block_dv % 64 == 0`` (WGMMA M),
-``chunk_size == 64``. Tokens past ``cu_seqlens[-1]`` are padding (output 0).
+``chunk_size == 64``, SMEM within 227 KiB (``block_dv=64`` at ``dk=128``). Tokens past
+``cu_seqlens[-1]`` are padding (output 0).
+
+Status (2026-12-02): checked in Mosaic GPU's interpreter on the CPU against the references and
+lowered for sm_90 on the CPU at model shapes; not yet run on a GPU (``benchmarks/gpu_check.py
+--suites chunked`` and ``benchmarks/kernels.py --only chunked`` are the first things to run).
 """
 
 from __future__ import annotations
