@@ -74,8 +74,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--precision", choices=("default", "highest"), default="default",
                     help="jax_default_matmul_precision (highest: fp32 matmuls without TF32/bf16 passes)")
-    ap.add_argument("--kernels", choices=("auto", "jnp", "pallas"), default="auto",
-                    help="GDN decode / paged attention backends (auto: the Mosaic GPU kernels on a GPU)")
+    ap.add_argument("--kernels", default="auto", help="EngineArgs.kernels (jaxserve/models/backends.py)")
     ap.add_argument("--control", action="store_true",
                     help="flush the cache before each round: cold-in-a-busy-batch vs cold-alone (the rounding floor)")
     ap.add_argument("--smoke", action="store_true", help="a tiny model and short prompts: checks the script on a CPU")

@@ -155,9 +155,9 @@ def _add_engine_flags(p: argparse.ArgumentParser, dtype_default: str) -> None:
     p.add_argument("--num-pages", type=int, help="KV pages (default: from the memory budget)")
     p.add_argument("--num-slots", type=int, help="linear-state slots (default: from the memory budget)")
     p.add_argument("--policy", choices=("fcfs", "lpm"), default="fcfs")
-    p.add_argument("--kernels", choices=("auto", "jnp", "pallas"), default="auto",
-                   help="GDN decode and paged attention: the Pallas Mosaic GPU kernels (auto: on a GPU where the "
-                        "shapes fit) or jnp")
+    p.add_argument("--kernels", default="auto",
+                   help="mixer backends: auto (on a GPU, the kernels verified there), jnp, pallas (the Pallas "
+                        "Mosaic GPU kernels), or a list of them: gdn_prefill,gdn_decode,paged_attention")
 
 
 def build_parser() -> argparse.ArgumentParser:

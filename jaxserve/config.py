@@ -71,10 +71,8 @@ class ModelConfig:
     max_position_embeddings: int = 32768
     has_vision_tower: bool = False
 
-    # Execution, not checkpoint: which implementation runs the GDN decode step and paged attention
-    # (static under jit). "auto": the Pallas Mosaic GPU kernels on a GPU where the shapes and dtype
-    # fit their tiling, else jnp; "jnp"; "pallas"; "pallas-interpret" (the kernels in Mosaic GPU's
-    # interpret mode: CPU tests). Prefill's chunked delta rule and the short conv are jnp for now.
+    # Execution, not checkpoint: kernels or jnp references for the mixer backends (static under
+    # jit): "auto" | "jnp" | "pallas" | "pallas-interpret"; jaxserve/models/backends.py says what each does.
     kernels: str = "auto"
 
     @property

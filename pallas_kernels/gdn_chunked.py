@@ -355,6 +355,12 @@ def smem_bytes(dk, block_dv, matmul_dtype) -> int:
     return state + operands + 2 * block_dv * CHUNK * 4 + dk * 4 + 1024  # + barriers, alignment
 
 
+def supports(dk: int, dv: int, block_dv: int = 64, matmul_dtype=jnp.float32) -> bool:
+    """Whether ``gdn_chunked_pallas`` takes these head dims (``_check_tiling``'s rules)."""
+    return (dk % 64 == 0 and dk <= 256 and block_dv % 64 == 0 and dv % block_dv == 0
+            and smem_bytes(dk, block_dv, matmul_dtype) <= SMEM_BYTES)
+
+
 def _check_tiling(q, v, block_dv, chunk_size, matmul_dtype):
     dk, dv = q.shape[-1], v.shape[-1]
     problems = []

@@ -45,7 +45,8 @@ def test_generate_text_prompt_with_chat_template(oracle_dir):
     (["--prompt-ids", "99999"], "token ids"),
     (["--prompt-ids", "1", "--top-p", "0"], "top_p"),
     # the default model's GDN heads (dk 32) are narrower than the decode kernel's 64-row tiles
-    (["--prompt-ids", "1", "--kernels", "pallas"], "does not tile dk=32"),
+    (["--prompt-ids", "1", "--kernels", "pallas"], "gdn_decode kernel does not take dk=32"),
+    (["--prompt-ids", "1", "--kernels", "gdn_decode,flash"], "comma-separated subset"),
 ])
 def test_bad_input_exits_2_with_one_line(args, message):
     proc = jaxserve("generate", *args)

@@ -25,14 +25,12 @@ from jaxserve.engine.pools import device_budget, init_pools, plan_pools
 from jaxserve.engine.runner import Buckets, DeviceExecutor
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.generate import SamplingParams
-from jaxserve.models.gated_deltanet import use_decode_kernel
+from jaxserve.models import backends
+from jaxserve.models.gated_deltanet import use_decode_kernel, use_prefill_kernel
 from jaxserve.models.layers import use_attention_kernel
 from jaxserve.tokenizer import Tokenizer
 
 CPU_BUDGET_BYTES = 512 << 20  # a CPU device reports no memory; pools default to this budget there
-
-
-KERNEL_CHOICES = ("auto", "jnp", "pallas", "pallas-interpret")
 
 
 @dataclasses.dataclass
@@ -49,7 +47,7 @@ class EngineArgs:
     snapshot_fraction: float = 0.25
     max_snapshots_per_path: int | None = None  # bound the tree's snapshots on any root..leaf path
     policy: str = "fcfs"
-    kernels: str = "auto"  # ModelConfig.kernels: auto | jnp | pallas | pallas-interpret
+    kernels: str = "auto"  # ModelConfig.kernels (jaxserve/models/backends.py)
     debug_snapshot_checksums: bool = False
     debug_fault: str | None = None  # TEST ONLY: "stale-snapshot" / "wrong-snapshot" corrupt every hit (Scheduler)
     progress: bool = True
@@ -58,8 +56,7 @@ class EngineArgs:
 def build_engine(args: EngineArgs) -> Engine:
     from weights import load_model
 
-    if args.kernels not in KERNEL_CHOICES:
-        raise ValueError(f"kernels={args.kernels!r}; choose one of {KERNEL_CHOICES}")
+    backends.validate(args.kernels)
 
     model = load_model(args.model, dtype=args.dtype, progress=args.progress)
     cfg, params = dataclasses.replace(model.config, kernels=args.kernels), model.params
@@ -68,6 +65,7 @@ def build_engine(args: EngineArgs) -> Engine:
     # "pallas" on shapes a kernel cannot take: one clear error now, not a trace-time one at warm-up
     if cfg.is_hybrid:
         use_decode_kernel(cfg, dtype)
+        use_prefill_kernel(cfg)
     if any(t != LINEAR_ATTENTION for t in cfg.layer_types):
         use_attention_kernel(cfg, dtype, args.page_size)
     max_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)

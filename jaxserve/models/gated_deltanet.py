@@ -19,14 +19,17 @@ recurrent state, in the same scatter as the rows' final states; no caller can fo
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
+from jaxserve.models import backends
 from jaxserve.models.layers import Ragged, gated_rms_norm, linear
-from pallas_kernels import gdn_decode
+from pallas_kernels import gdn_chunked, gdn_decode, gdn_reference
 from pallas_kernels.conv1d_reference import causal_conv1d_prefill, causal_conv1d_update
-from pallas_kernels.gdn_reference import gdn_chunked, gdn_recurrent
+from pallas_kernels.gdn_reference import gdn_recurrent
 
 
 def state_shapes(cfg: ModelConfig, num_layers: int, num_slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -71,26 +74,29 @@ def _one_token_rule(q, k, v, g, beta, state):
     return o[0], final[0]
 
 
-def _delta_rule(q, k, v, g, beta, init, r: Ragged, decode: bool):
+def _delta_rule(cfg: ModelConfig, q, k, v, g, beta, init, r: Ragged, decode: bool):
     """Delta-rule backend: -> (o [T, Hv, dv], final [B, Hv, dk, dv], snapshots [S, Hv, dk, dv])."""
     if decode:
         o, final = jax.vmap(_one_token_rule)(q, k, v, g, beta, init)
         return o, final, _decode_snapshots(init, final, r)
-    return gdn_chunked(q, k, v, g, beta, cu_seqlens=r.cu_seqlens, initial_state=init, start_pos=r.context_len,
-                       snapshot_seq=r.snap_seq, snapshot_len=r.snap_len)
+    chunked = gdn_reference.gdn_chunked
+    if use_prefill_kernel(cfg):
+        chunked = functools.partial(gdn_chunked.gdn_chunked_pallas, interpret=backends.interpret(cfg))
+    return chunked(q, k, v, g, beta, cu_seqlens=r.cu_seqlens, initial_state=init, start_pos=r.context_len,
+                   snapshot_seq=r.snap_seq, snapshot_len=r.snap_len)
 
 
 def use_decode_kernel(cfg: ModelConfig, act_dtype) -> bool:
-    """Static choice of the decode backend (``cfg.kernels``; see ``ModelConfig``)."""
-    if cfg.kernels == "jnp":
-        return False
-    fits = gdn_decode.supports(cfg.linear_key_head_dim, cfg.linear_value_head_dim, act_dtype)
-    if cfg.kernels in ("pallas", "pallas-interpret"):
-        if not fits:
-            raise ValueError(f"kernels={cfg.kernels!r}: the GDN decode kernel does not tile dk="
-                             f"{cfg.linear_key_head_dim}, dv={cfg.linear_value_head_dim} in {jnp.dtype(act_dtype).name}")
-        return True
-    return fits and jax.default_backend() == "gpu"
+    """Static: the fused Mosaic GPU decode step (``backends``)."""
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    return backends.use_kernel(cfg, "gdn_decode", gdn_decode.supports(dk, dv, act_dtype),
+                               f"dk={dk}, dv={dv} in {jnp.dtype(act_dtype).name}")
+
+
+def use_prefill_kernel(cfg: ModelConfig) -> bool:
+    """Static: the chunked delta rule with its state recurrence on Mosaic GPU (``backends``)."""
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    return backends.use_kernel(cfg, "gdn_prefill", gdn_chunked.supports(dk, dv), f"dk={dk}, dv={dv}")
 
 
 def _decode_in_pool(cfg: ModelConfig, q, k, v, g, beta, pool: jax.Array, layer: int, r: Ragged):
@@ -109,7 +115,7 @@ def _decode_in_pool(cfg: ModelConfig, q, k, v, g, beta, pool: jax.Array, layer: 
         before, pool = jax.lax.optimization_barrier((before, pool))
     o, pool = gdn_decode.gdn_decode_pool(q, k, v, g, beta, pool, r.read_slot, layer=layer,
                                          write_slots=r.write_slot, fresh=fresh,
-                                         interpret=cfg.kernels == "pallas-interpret")
+                                         interpret=backends.interpret(cfg))
     if S:
         after = pool[layer, r.write_slot[seq]]
         snaps = jnp.where((r.snap_len > 0).reshape(-1, 1, 1, 1), after, before)
@@ -164,7 +170,7 @@ def gated_deltanet(p: dict, cfg: ModelConfig, x: jax.Array, r: Ragged, conv_pool
     if decode and use_decode_kernel(cfg, q.dtype):
         o, rec_pool = _decode_in_pool(cfg, q, k, v, g, beta, rec_pool, layer, r)
     else:
-        o, rec_final, rec_snaps = _delta_rule(q, k, v, g, beta, _initial(rec_pool, layer, r), r, decode)
+        o, rec_final, rec_snaps = _delta_rule(cfg, q, k, v, g, beta, _initial(rec_pool, layer, r), r, decode)
         rec_pool = _store(rec_pool, layer, r, rec_final, rec_snaps)
     conv_pool = _store(conv_pool, layer, r, conv_final, conv_snaps)
     return output(p, cfg, o, z), conv_pool, rec_pool

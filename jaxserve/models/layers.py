@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxserve.config import SLIDING_ATTENTION, ModelConfig
+from jaxserve.models import backends
 from pallas_kernels import paged_attention as paged_attention_kernel
 
 # Keys are visited in blocks of this many positions. It is the snapshot interval of DESIGN.md
@@ -205,27 +206,19 @@ def attention(p: dict, cfg: ModelConfig, layer_type: str, x: jax.Array, r: Ragge
     window = cfg.sliding_window if layer_type == SLIDING_ATTENTION else None
     if use_attention_kernel(cfg, q.dtype, k_pool.shape[2]):
         out, k_pool, v_pool = paged_attention_kernel.paged_attention(
-            q, k, v, k_pool, v_pool, layer, r, window, interpret=cfg.kernels == "pallas-interpret")
+            q, k, v, k_pool, v_pool, layer, r, window, interpret=backends.interpret(cfg))
     else:
         out, k_pool, v_pool = paged_attention(q, k, v, k_pool, v_pool, layer, r, window)
     return attention_out(p, cfg, out, gate), k_pool, v_pool
 
 
 def use_attention_kernel(cfg: ModelConfig, act_dtype, page_size: int) -> bool:
-    """Static choice of the attention backend (``cfg.kernels``; see ``ModelConfig``): the Mosaic GPU
-    paged kernel (``pallas_kernels.paged_attention``) or ``paged_attention`` above."""
-    if cfg.kernels == "jnp":
-        return False
-    interpret = cfg.kernels == "pallas-interpret"
-    fits = paged_attention_kernel.supports(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size, act_dtype,
-                                           gpu=not interpret)
-    if cfg.kernels in ("pallas", "pallas-interpret"):
-        if not fits:
-            raise ValueError(f"kernels={cfg.kernels!r}: the paged attention kernel does not take {cfg.num_heads} "
-                             f"q / {cfg.num_kv_heads} kv heads of dim {cfg.head_dim}, page size {page_size}, "
-                             f"{jnp.dtype(act_dtype).name}")
-        return True
-    return fits and jax.default_backend() == "gpu"
+    """Static: the Mosaic GPU paged kernel (``pallas_kernels.paged_attention``) or ``paged_attention``
+    above (``backends``)."""
+    gpu = not backends.interpret(cfg)
+    fits = paged_attention_kernel.supports(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size, act_dtype, gpu=gpu)
+    return backends.use_kernel(cfg, "paged_attention", fits, f"{cfg.num_heads} q / {cfg.num_kv_heads} kv heads of "
+                               f"dim {cfg.head_dim}, page size {page_size}, {jnp.dtype(act_dtype).name}")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -29,16 +29,17 @@ from weights import load_model
 from weights.random_checkpoint import write_random_checkpoint
 
 MODELS = [("qwen3_5", "dense"), ("qwen3_next", "moe"), ("qwen3", "base"), ("kernel", "gdn_decode")]
-# ("kernel", ...): a random qwen3_5 whose shapes fit the Mosaic GPU kernels' tiling (GDN dk 64,
-# dv 32; attention head dim 64), run with cfg.kernels="pallas-interpret": the GDN decode kernel
-# on decode steps and the paged attention kernel on every step, in GPU interpret mode, through the
+# ("kernel", ...): a random qwen3_5 whose shapes fit the Mosaic GPU kernels' tiling (GDN dk = dv =
+# 64; attention head dim 64), run with cfg.kernels="pallas-interpret": the GDN chunked prefill
+# kernel on prefill steps, the GDN decode kernel on decode steps and the paged attention kernel on
+# every step, in GPU interpret mode, through the
 # same schedule (decode snapshots, a decode-path restore, fresh one-token rows, chunked prefill
 # continuing cached pages) against the jnp dense forward.
 KERNEL_CONFIG = {
     "model_type": "qwen3_5_text", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96,
     "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
     "layer_types": ["linear_attention", "full_attention"], "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 64, "linear_value_head_dim": 32, "linear_num_key_heads": 1,
+    "linear_key_head_dim": 64, "linear_value_head_dim": 64, "linear_num_key_heads": 1,
     "linear_num_value_heads": 2, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
     "max_position_embeddings": 4096, "eos_token_id": 511,
