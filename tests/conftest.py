@@ -6,9 +6,15 @@ import json
 import random
 from pathlib import Path
 
+import jax
 import pytest
 
 from tests.reference.bridge import run_torch
+
+# No persistent compilation cache in tests, whatever the environment says: every test compiles
+# in-process (a CI run crashed inside the cache's compile-and-write path on an interpret-mode
+# kernel; the cache buys nothing for one-off test programs).
+jax.config.update("jax_enable_compilation_cache", False)
 
 # Every family variant weights/tiny.py writes; each is checked against transformers.
 CHECKPOINTS = [
