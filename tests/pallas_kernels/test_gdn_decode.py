@@ -162,34 +162,3 @@ def test_rejects_bad_shapes():
         gdn_decode_pool(**{**x, "g": x["g"][:, :1]}, state_pool=jnp.asarray(pool), slots=jnp.zeros(2, jnp.int32))
     with pytest.raises(ValueError, match="state_pool"):
         gdn_decode_pool(**x, state_pool=jnp.asarray(pool, jnp.bfloat16), slots=jnp.zeros(2, jnp.int32))
-
-
-# Simple schedule: the smallest interpret-mode programs (the persistent schedule's serving form runs
-# in tests/engine/test_runner.py's kernel case, through the whole step).
-@pytest.mark.parametrize("kda,variant", [(False, SIMPLE), (True, SIMPLE)], ids=["gdn", "kda"])
-def test_serving_form_layer_of_a_stack_read_write_slots_and_fresh_rows(kda, variant):
-    """The engine's call: one layer of a [layers, slots, ...] stack; row 0 restores (reads a tree
-    slot, writes its own), row 1 is fresh (zero state whatever its read slot holds, here NaN-free
-    leftovers), row 2 continues in place, row 3 is batch padding on the null slot. Other layers
-    and every slot not written come back bit-identical."""
-    rng = np.random.default_rng(7)
-    B, Hk, Hv, dk, dv, L, S = 4, 1, 2, 64, 32, 3, 9
-    x, _ = make_inputs(rng, B=B, Hk=Hk, Hv=Hv, dk=dk, dv=dv, kda=kda, num_slots=S)
-    stack = rng.normal(size=(L, S, Hv, dk, dv)).astype(np.float32)
-    read = np.array([5, 6, 3, 0], np.int32)
-    write = np.array([2, 6, 3, 0], np.int32)
-    fresh = np.array([False, True, False, False])
-    layer = 1
-    init = stack[layer][read] * (~fresh)[:, None, None, None]
-    fn = kda_recurrent if kda else gdn_recurrent
-    o_ref, final, _ = fn(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=jnp.arange(B + 1, dtype=jnp.int32),
-                         initial_state=jnp.asarray(init))
-    o, new = jax.jit(lambda p: gdn_decode_pool(**x, state_pool=p, slots=jnp.asarray(read), layer=layer,
-                                               write_slots=jnp.asarray(write), fresh=jnp.asarray(fresh),
-                                               interpret=True, **variant))(jnp.asarray(stack))
-    o, new = np.asarray(o), np.asarray(new)
-    assert rel(o[:3], np.asarray(o_ref)[:3]) < TOL
-    assert rel(new[layer][write[:3]], np.asarray(final)[:3]) < TOL
-    expect = stack.copy()
-    expect[layer][write] = new[layer][write]
-    np.testing.assert_array_equal(new, expect)  # other layers, the tree's slot 5 and all other slots untouched
