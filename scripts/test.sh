@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # Build what the tests need (once) and run them: bash scripts/test.sh [pytest args]
 #
-# With no arguments, the tests that run Pallas Mosaic GPU kernels in GPU interpret mode each get a
-# pytest process of their own, after the rest of the suite: in one long process the fresh-clone CI
-# hit XLA CPU segfaults while compiling (twice, in unrelated jnp tests after the interpret-mode
-# kernel tests; never reproduced in a short process), so interpreter state is kept out of the other
-# tests. With arguments, one pytest run with those arguments.
+# With no arguments, the suite runs as several pytest processes (a few directories each, and every
+# test file that runs Pallas Mosaic GPU kernels in GPU interpret mode alone): in one long process
+# the fresh-clone CI hit XLA CPU segfaults inside compiles of unrelated tests (3 runs, at different
+# tests; never reproduced in a short process). With arguments, one pytest run with those arguments.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 ensure_engine_env
@@ -19,7 +18,12 @@ fi
 interpreted=(tests/pallas_kernels/test_gdn_chunked.py tests/pallas_kernels/test_gdn_decode.py
              tests/pallas_kernels/test_paged_attention.py)
 rc=0
-"$py" -m pytest -p no:cacheprovider tests "${interpreted[@]/#/--ignore=}" -k "not kernel-gdn_decode" || rc=$?
+skip=("${interpreted[@]/#/--ignore=}")
+for group in "tests/cache tests/engine" "tests/models tests/pallas_kernels" \
+             "tests/server tests/test_cli.py tests/test_tokenizer.py" "tests/test_probe.py" "tests/weights"; do
+  # shellcheck disable=SC2086
+  "$py" -m pytest -p no:cacheprovider $group "${skip[@]}" -k "not kernel-gdn_decode" || rc=$?
+done
 for f in "${interpreted[@]}"; do
   "$py" -m pytest -p no:cacheprovider "$f" || rc=$?
 done

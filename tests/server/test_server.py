@@ -141,7 +141,9 @@ def test_completion_equals_offline_generate(ctx, key, prompt):
     c = r.choices[0]
     assert c.text == ref.text and c.finish_reason == "length"
     assert c.logprobs.token_logprobs == pytest.approx(ref.logprobs, abs=1e-4)
-    assert "".join(c.logprobs.tokens) == ref.text
+    # per-token strings show special tokens (the trained default model may emit <|im_end|> mid-way
+    # under ignore_eos); the text skips them
+    assert "".join(t for t in c.logprobs.tokens if not (t.startswith("<|") and t.endswith("|>"))) == ref.text
     assert r.usage.prompt_tokens == len(ctx.prompts[key]) and r.usage.completion_tokens == N
     assert r.usage.total_tokens == len(ctx.prompts[key]) + N
     assert r.object == "text_completion" and r.model == MODEL
