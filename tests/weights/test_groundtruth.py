@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -124,6 +125,20 @@ def test_deterministic_per_seed_and_probes_held_out(tok):
         assert p.messages[-1]["role"] == "user" and p.answer == tasks.answer_of(p.messages + [{"role": "assistant", "content": p.answer}])
     train_q = {m[0]["content"] for m in (tasks.arithmetic(random.Random(tasks.TRAIN_SEED * 1_000_003 + s)) for s in range(50))}
     assert not train_q & {p.messages[0]["content"] for p in p1 if p.kind == "arithmetic"}
+
+
+def test_batches_from_worker_processes_equal_in_thread_batches(tmp_path):
+    """--data-workers builds the very batches the background thread builds, in step order."""
+    tok_dir = str(gt_tokenizer.save(tmp_path / "tok"))
+    fn = partial(train.batch_for_step, tokenizer_dir=tok_dir, steps=8, bks=train.buckets(True, 2048), smoke=True,
+                 curriculum=0.25, kinds=None, seed=3)
+    thread = train.Prefetcher(fn, range(2, 8), depth=2)
+    procs = train.Prefetcher(fn, range(2, 8), depth=3, workers=2)
+    for _ in range(2, 8):
+        (s1, (b1, (t1, m1))), (s2, (b2, (t2, m2))) = thread.get(), procs.get()
+        assert s1 == s2 and b1 == b2
+        np.testing.assert_array_equal(t1, t2)
+        np.testing.assert_array_equal(m1, m2)
 
 
 def test_score():
