@@ -175,8 +175,10 @@ def check_paged_attention(name, B, ctx_range, new, page_size, num_splits, seed, 
     o_jnp, kp_jnp, vp_jnp = jax.jit(lambda q, k, v, kp, vp, r: paged_attention_jnp(q, k, v, kp, vp, 1, r, None))(
         *args, r)
     o_jnp = np.asarray(o_jnp.astype(jnp.float32))
-    pools_identical = bool(np.array_equal(np.asarray(kp), np.asarray(kp_jnp))
-                           and np.array_equal(np.asarray(vp), np.asarray(vp_jnp)))
+    # Page 0 is the null page: every padding token writes there (same page, same offset), and on
+    # the GPU which of those duplicate scatter writes lands is unspecified, so it differs run to run.
+    pools_identical = bool(np.array_equal(np.asarray(kp[:, 1:]), np.asarray(kp_jnp[:, 1:]))
+                           and np.array_equal(np.asarray(vp[:, 1:]), np.asarray(vp_jnp[:, 1:])))
     del kp_jnp, vp_jnp
     sub = real if len(real) <= PA_ORACLE_TOKENS else np.sort(rng.choice(real, PA_ORACLE_TOKENS, replace=False))
     kp32, vp32 = (np.asarray(a[1].astype(jnp.float32)) for a in (kp, vp))  # layer 1 only

@@ -372,6 +372,23 @@ def delta_rule_recurrent(q, k, v, g, beta, *, cu_seqlens, initial_state=None, sc
     return o.astype(v.dtype), final, (None if snapshot_seq is None else snaps)
 
 
+def prepare_chunked_args(q, k, v, g, beta, cu_seqlens, initial_state, snapshot_seq, snapshot_len, start_pos,
+                         chunk_size, max_chunks):
+    """The chunked forms' shared argument handling (the reference's and the Pallas kernel's): shape
+    checks, defaults, snapshot lengths checked when concrete, the grid bound. Returns
+    ``(cu, snap_seq, snap_len, start, init, max_chunks)``."""
+    _check_args(q, k, v, g, beta, cu_seqlens, initial_state, snapshot_seq, snapshot_len)
+    num_seqs = cu_seqlens.shape[0] - 1
+    if start_pos is not None and start_pos.shape != (num_seqs,):
+        raise ValueError(f"start_pos {start_pos.shape} != {(num_seqs,)}")
+    cu, snap_seq, snap_len, start, init = _with_defaults(
+        q, v, cu_seqlens, initial_state, snapshot_seq, snapshot_len, start_pos)
+    _check_snapshots_eagerly(cu_seqlens, snapshot_seq, snapshot_len, start, chunk_size)
+    if max_chunks is None:
+        max_chunks = default_max_chunks(v.shape[0], num_seqs, chunk_size)
+    return cu, snap_seq, snap_len, start, init, max_chunks
+
+
 def delta_rule_chunked(q, k, v, g, beta, *, cu_seqlens, initial_state=None, scale=None,
                        use_qk_l2norm=True, snapshot_seq=None, snapshot_len=None, chunk_size=64,
                        start_pos=None, max_chunks=None):
@@ -386,15 +403,8 @@ def delta_rule_chunked(q, k, v, g, beta, *, cu_seqlens, initial_state=None, scal
     ``T // chunk_size + 2 N`` fits any raggedness (a smaller value must still fit, or tokens are
     dropped). ``scale``, ``use_qk_l2norm``, ``chunk_size``, ``max_chunks`` are static.
     """
-    _check_args(q, k, v, g, beta, cu_seqlens, initial_state, snapshot_seq, snapshot_len)
-    num_seqs = cu_seqlens.shape[0] - 1
-    if start_pos is not None and start_pos.shape != (num_seqs,):
-        raise ValueError(f"start_pos {start_pos.shape} != {(num_seqs,)}")
-    cu, snap_seq, snap_len, start, init = _with_defaults(
-        q, v, cu_seqlens, initial_state, snapshot_seq, snapshot_len, start_pos)
-    _check_snapshots_eagerly(cu_seqlens, snapshot_seq, snapshot_len, start, chunk_size)
-    if max_chunks is None:
-        max_chunks = default_max_chunks(v.shape[0], num_seqs, chunk_size)
+    cu, snap_seq, snap_len, start, init, max_chunks = prepare_chunked_args(
+        q, k, v, g, beta, cu_seqlens, initial_state, snapshot_seq, snapshot_len, start_pos, chunk_size, max_chunks)
     o, final, snaps = _chunked(q, k, v, g, beta, cu, init, snap_seq, snap_len, start,
                                scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
                                max_chunks=max_chunks)

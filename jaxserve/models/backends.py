@@ -6,7 +6,8 @@
 * ``"pallas"``: every kernel, on whatever device; a shape a kernel cannot take is an error at
   start-up (``EngineArgs`` checks), never a silent fallback;
 * ``"pallas-interpret"``: the same, in Mosaic GPU's interpret mode (CPU tests of the wiring);
-* ``"auto"`` (default): on a GPU, the kernels in ``AUTO_ON_GPU`` where the shapes fit; jnp elsewhere;
+* ``"auto"`` (default): on a GPU, the kernels in ``AUTO_ON_GPU`` where the shapes fit and the
+  kernel is no less precise than the jnp path would be (``auto_ok``); jnp elsewhere;
 * a comma-separated list of kernel names (e.g. ``"gdn_decode,gdn_prefill"``): those kernels, as
   ``"pallas"`` would run them, and jnp for the rest.
 
@@ -23,9 +24,9 @@ import jax
 from jaxserve.config import ModelConfig
 
 KERNELS = ("gdn_decode", "gdn_prefill", "paged_attention")
-# None yet: the serving forms of the three kernels (2026-12-02) have run in interpret mode and
-# lowered for sm_90 on the CPU, not on the H200.
-AUTO_ON_GPU: frozenset[str] = frozenset()
+# All three (2026-12-02, session 3): gpu_check 26/26 on the H200, the engine hammer with the GDN
+# kernels in fp32 (hit == cold) and with every kernel in bf16; speeds in benchmarks/RESULTS.md.
+AUTO_ON_GPU: frozenset[str] = frozenset(KERNELS)
 CHOICES = ("auto", "jnp", "pallas", "pallas-interpret")
 
 
@@ -36,15 +37,17 @@ def validate(kernels: str) -> str:
     raise ValueError(f"kernels={kernels!r}; choose one of {CHOICES} or a comma-separated subset of {KERNELS}")
 
 
-def use_kernel(cfg: ModelConfig, name: str, fits: bool, shape: str) -> bool:
+def use_kernel(cfg: ModelConfig, name: str, fits: bool, shape: str, auto_ok: bool = True) -> bool:
     """Static: run kernel ``name`` for this layer? ``fits``: the kernel takes the layer's shapes
-    (``shape`` describes them for the error message)."""
+    (``shape`` describes them for the error message). ``auto_ok``: ``"auto"`` may pick it (False
+    where the kernel would be less precise than what the user configured, e.g. tf32 products under
+    ``jax_default_matmul_precision=highest``); an explicit choice still gets it."""
     assert name in KERNELS, name
     kernels = validate(cfg.kernels)
     if kernels == "jnp":
         return False
     if kernels == "auto":
-        return fits and name in AUTO_ON_GPU and jax.default_backend() == "gpu"
+        return fits and auto_ok and name in AUTO_ON_GPU and jax.default_backend() == "gpu"
     if kernels not in ("pallas", "pallas-interpret") and name not in kernels.split(","):
         return False
     if not fits:

@@ -94,9 +94,12 @@ def use_decode_kernel(cfg: ModelConfig, act_dtype) -> bool:
 
 
 def use_prefill_kernel(cfg: ModelConfig) -> bool:
-    """Static: the chunked delta rule with its state recurrence on Mosaic GPU (``backends``)."""
+    """Static: the chunked delta rule with its state recurrence on Mosaic GPU (``backends``). Its
+    fp32 products run as tf32, so ``auto`` leaves it out under full-fp32 matmul precision."""
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    return backends.use_kernel(cfg, "gdn_prefill", gdn_chunked.supports(dk, dv), f"dk={dk}, dv={dv}")
+    full_fp32 = str(jax.config.jax_default_matmul_precision).lower() in ("highest", "float32")
+    return backends.use_kernel(cfg, "gdn_prefill", gdn_chunked.supports(dk, dv), f"dk={dk}, dv={dv}",
+                               auto_ok=not full_fp32)
 
 
 def _decode_in_pool(cfg: ModelConfig, q, k, v, g, beta, pool: jax.Array, layer: int, r: Ragged):

@@ -41,3 +41,24 @@ def test_a_list_selects_kernels():
         backends.validate("gdn_decode,flash")
     with pytest.raises(ValueError):
         backends.validate("")
+
+
+def test_auto_on_a_gpu_takes_verified_kernels_unless_less_precise(monkeypatch):
+    """On a GPU ``auto`` runs every kernel in AUTO_ON_GPU that fits; the prefill kernel's tf32
+    products are left out when the user asked for full fp32 matmuls (an explicit choice keeps it)."""
+    import jax
+
+    from jaxserve.models import gated_deltanet
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    auto = _cfg("auto")
+    for name in backends.KERNELS:
+        assert backends.use_kernel(auto, name, True, "") == (name in backends.AUTO_ON_GPU)
+        assert not backends.use_kernel(auto, name, False, "")  # misfit under auto: jnp, no error
+        assert not backends.use_kernel(auto, name, True, "", auto_ok=False)
+    assert backends.use_kernel(_cfg("pallas"), "gdn_prefill", True, "", auto_ok=False)
+    gdn = dataclasses.replace(auto, linear_key_head_dim=128, linear_value_head_dim=128)
+    assert gated_deltanet.use_prefill_kernel(gdn) == ("gdn_prefill" in backends.AUTO_ON_GPU)
+    with jax.default_matmul_precision("highest"):
+        assert not gated_deltanet.use_prefill_kernel(gdn)
+        assert gated_deltanet.use_prefill_kernel(dataclasses.replace(gdn, kernels="gdn_prefill"))
