@@ -288,6 +288,11 @@ def _check(q, k, v, k_pool, v_pool, r):
         raise ValueError("paged_attention: " + "; ".join(problems))
 
 
+# Head dims ``--kernels auto`` runs the kernel at: the issue's contract, tested in interpret mode
+# (128, 256) and on the H200 (256). Others that ``supports`` (e.g. 64) need an explicit choice.
+AUTO_HEAD_DIMS = (128, 256)
+
+
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype, *, gpu: bool = True) -> bool:
     """Whether the kernel takes this attention shape (``_check``'s rules); on a GPU only bf16/fp16."""
     if gpu and jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):

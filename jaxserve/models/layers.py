@@ -218,7 +218,8 @@ def use_attention_kernel(cfg: ModelConfig, act_dtype, page_size: int) -> bool:
     gpu = not backends.interpret(cfg)
     fits = paged_attention_kernel.supports(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size, act_dtype, gpu=gpu)
     return backends.use_kernel(cfg, "paged_attention", fits, f"{cfg.num_heads} q / {cfg.num_kv_heads} kv heads of "
-                               f"dim {cfg.head_dim}, page size {page_size}, {jnp.dtype(act_dtype).name}")
+                               f"dim {cfg.head_dim}, page size {page_size}, {jnp.dtype(act_dtype).name}",
+                               auto_ok=cfg.head_dim in paged_attention_kernel.AUTO_HEAD_DIMS)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -62,3 +62,17 @@ def test_auto_on_a_gpu_takes_verified_kernels_unless_less_precise(monkeypatch):
     with jax.default_matmul_precision("highest"):
         assert not gated_deltanet.use_prefill_kernel(gdn)
         assert gated_deltanet.use_prefill_kernel(dataclasses.replace(gdn, kernels="gdn_prefill"))
+
+
+def test_auto_paged_attention_only_at_contract_head_dims(monkeypatch):
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.models import layers
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    for hd, expect in [(256, True), (128, True), (64, False)]:
+        cfg = dataclasses.replace(_cfg("auto"), head_dim=hd, num_heads=8, num_kv_heads=2)
+        assert layers.use_attention_kernel(cfg, jnp.bfloat16, 16) == (expect and "paged_attention" in backends.AUTO_ON_GPU)
+        assert not layers.use_attention_kernel(cfg, jnp.float32, 16)  # bf16 / fp16 only
+    assert layers.use_attention_kernel(dataclasses.replace(_cfg("pallas"), head_dim=64), jnp.bfloat16, 16)
