@@ -273,6 +273,20 @@ def test_smoke_training_lowers_loss_and_resumes_exactly(smoke_runs):
     jax.tree.map(np.testing.assert_array_equal, full["final_params"], resumed["final_params"])
 
 
+def test_init_from_an_export_starts_where_that_run_ended(smoke_runs, tmp_path):
+    """--init-from: a fresh run (no checkpoints) whose params are the export's, and a model whose
+    config differs is refused."""
+    full, _, _, _ = smoke_runs
+    kw = dict(smoke=True, kinds=("arithmetic",), batch_tokens=1024, log_every=100, log=lambda *_: None)
+    start = train.train(tmp_path / "start", 16, init_from=full["export"], stop_at=0, **kw)
+    rounded = jax.tree.map(lambda x: np.asarray(x).astype(ml_dtypes.bfloat16).astype(np.float32), full["final_params"])
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, start["final_params"]), rounded)
+    cont = train.train(tmp_path / "cont", 2, init_from=full["export"], **kw)
+    assert cont["first_loss"] < full["first_loss"] - 1.0, (cont, full)
+    with pytest.raises(ValueError, match="config differs"):
+        train.train(tmp_path / "moe", 2, moe_variant=True, init_from=full["export"], **kw)
+
+
 def test_smoke_export_is_exact_and_transformers_shaped(smoke_runs, oracle_dir):
     full, _, _, _ = smoke_runs
     out = Path(full["export"])

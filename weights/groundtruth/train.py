@@ -516,18 +516,34 @@ def _checkpointer(path: Path, every: int):
     return ocp.CheckpointManager(path.resolve(), options=opts)
 
 
+def _export_tensors(folder: str | Path, cfg: ModelConfig, config: dict) -> dict[str, np.ndarray]:
+    """HF-named fp32 tensors of an earlier export of this very model (``--init-from``)."""
+    from weights.loader import load_tensors
+
+    with open(Path(folder) / "config.json") as f:
+        theirs = json.load(f)
+    differ = sorted(k for k in config if k not in ("torch_dtype", "dtype") and theirs.get(k) != config[k])
+    if differ:
+        raise ValueError(f"--init-from {folder}: its config differs from this model's in {differ}")
+    return load_tensors(folder, hf_shapes(cfg), "float32", tie_word_embeddings=cfg.tie_word_embeddings)
+
+
 def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool = False, seed: int = 0,
           lr: float | None = None, batch_tokens: int | None = None, ckpt_every: int = 200, warmup: int | None = None,
           curriculum: float = 0.25, vocab_size: int = gt_tokenizer.DEFAULT_VOCAB, log_every: int = 10,
           compute_dtype: str | None = None, kinds: tuple[str, ...] | None = None, stop_at: int | None = None,
-          time_limit: float | None = None, data_workers: int = 0, log=print) -> dict:
+          time_limit: float | None = None, data_workers: int = 0, init_from: str | Path | None = None,
+          log=print) -> dict:
     """Train (resuming from DIR/checkpoints if present) and export to DIR/export. Returns a summary
     (``final_params``: the trained pytree). ``kinds`` restricts the buckets to those task kinds;
     ``stop_at`` ends the run early after a checkpoint, without export (as a preempted run would);
     ``time_limit`` (seconds of training loop) ends it early too, but checkpoints AND exports what it
     has (``stopped_at`` in the summary), so a run cut short by a device call's limit still returns a
     model; rerun with the same ``steps`` to continue. ``data_workers`` > 0 builds batches in that many
-    processes (the same batches as in-thread)."""
+    processes (the same batches as in-thread). ``init_from``: start a fresh run from an earlier
+    run's export (its bf16 weights as fp32 master params, a new optimiser state; the export's
+    config must be this model's) instead of random weights: how a run continues on a machine
+    that no longer has its checkpoints. A run with checkpoints resumes from them and ignores it."""
     import orbax.checkpoint as ocp
 
     from jaxserve.tokenizer import Tokenizer
@@ -544,7 +560,8 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
     batch_tokens = batch_tokens or (2048 if smoke else 16384)
     warmup = warmup if warmup is not None else min(200, max(1, steps // 10))
 
-    params = build_params(cfg, init_tensors(cfg, seed), lambda x: jnp.asarray(x, jnp.float32))
+    tensors = init_tensors(cfg, seed) if init_from is None else _export_tensors(init_from, cfg, config)
+    params = build_params(cfg, tensors, lambda x: jnp.asarray(x, jnp.float32))
     n_params = sum(x.size for x in jax.tree.leaves(params))
     state, schedule = make_train_state(params, lr, steps, warmup)
     mngr = _checkpointer(out / "checkpoints", ckpt_every)
@@ -629,6 +646,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ckpt-every", type=int, default=200)
     ap.add_argument("--time-limit", type=float, help="seconds of training, then checkpoint + export (resume later)")
     ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--init-from", metavar="EXPORT_DIR",
+                    help="start from an earlier run's export instead of random weights (new optimiser state)")
     ap.add_argument("--data-workers", type=int, default=0,
                     help="processes building batches (0: one background thread); use 2-4 with large --batch-tokens")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), help="compute dtype (default bf16 on GPU)")
@@ -645,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
                     batch_tokens=args.batch_tokens, ckpt_every=args.ckpt_every, warmup=args.warmup,
                     curriculum=args.curriculum, log_every=args.log_every, compute_dtype=args.dtype,
                     kinds=tuple(args.kinds) if args.kinds else None, time_limit=args.time_limit,
-                    data_workers=args.data_workers)
+                    data_workers=args.data_workers, init_from=args.init_from)
     summary.pop("final_params")
     summary["train_wall_s"] = time.perf_counter() - t0
     print(json.dumps({"train": summary}), flush=True)
