@@ -5,8 +5,9 @@
 # Rerun on the same (still warm) machine with the same STEPS to continue from the checkpoints; a
 # fresh machine starts over, so size TRAIN_S to the call and keep the exports that come back.
 #   bash scripts/device/train_groundtruth.sh DENSE_STEPS MOE_STEPS PROBES TRAIN_S CALL_LIMIT_S
-# PROBES 0 skips the evaluation. Extra train.py arguments (both runs) in $TRAIN_ARGS; logs go to
-# $LOG_DIR (default $OUT), exports to $OUT.
+# PROBES 0 skips the evaluation. Extra train.py arguments: both runs $TRAIN_ARGS, one run
+# $DENSE_ARGS / $MOE_ARGS (e.g. MOE_ARGS="--init-from weights/moe" to continue from a committed
+# export on a fresh machine); logs go to $LOG_DIR (default $OUT), exports to $OUT.
 set -u
 dense_steps=${1:-12000}; moe_steps=${2:-12000}; probes=${3:-40}; train_s=${4:-420}; limit=${5:-570}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -26,7 +27,7 @@ print(json.dumps({'eval': evaluate('runs/$name/export', $probes, mode='pieces')}
 " >> "$log_dir/$name.log" 2>&1
   fi
 }
-run dense "$dense_steps" &
-run moe "$moe_steps" --moe &
+run dense "$dense_steps" ${DENSE_ARGS:-} &
+run moe "$moe_steps" --moe ${MOE_ARGS:-} &
 wait
 grep -h '"eval"\|"train"' "$log_dir"/*.log | cut -c1-600
