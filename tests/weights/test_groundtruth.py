@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import shutil
 from functools import partial
 from pathlib import Path
 
@@ -278,7 +279,15 @@ def test_init_from_an_export_starts_where_that_run_ended(smoke_runs, tmp_path):
     config differs is refused."""
     full, _, _, _ = smoke_runs
     kw = dict(smoke=True, kinds=("arithmetic",), batch_tokens=1024, log_every=100, log=lambda *_: None)
-    start = train.train(tmp_path / "start", 16, init_from=full["export"], stop_at=0, **kw)
+    # The export's own tokenizer comes along (the task corpus, hence the BPE ids, may have changed
+    # since it was trained): plant a different one and check the continued run takes it.
+    planted = tmp_path / "planted"
+    shutil.copytree(full["export"], planted)
+    other = gt_tokenizer.save(tmp_path / "other_tok", train.gt_tokenizer.DEFAULT_VOCAB, seed=12345)
+    assert (other / "tokenizer.json").read_bytes() != (planted / "tokenizer.json").read_bytes()
+    shutil.copyfile(other / "tokenizer.json", planted / "tokenizer.json")
+    start = train.train(tmp_path / "start", 16, init_from=planted, stop_at=0, **kw)
+    assert (tmp_path / "start" / "export" / "tokenizer.json").read_bytes() == (other / "tokenizer.json").read_bytes()
     rounded = jax.tree.map(lambda x: np.asarray(x).astype(ml_dtypes.bfloat16).astype(np.float32), full["final_params"])
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, start["final_params"]), rounded)
     cont = train.train(tmp_path / "cont", 2, init_from=full["export"], **kw)

@@ -60,7 +60,13 @@ def build(vocab_size: int = DEFAULT_VOCAB, seed: int = tasks.TRAIN_SEED):
     return tok
 
 
+FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
 def save(out_dir: str | os.PathLike, vocab_size: int = DEFAULT_VOCAB, seed: int = tasks.TRAIN_SEED) -> Path:
+    """Train the tokenizer on the task corpus and write ``FILES`` to ``out_dir``. The BPE merges
+    follow the corpus, so a change to the task generators changes the ids: a model is only valid
+    with the tokenizer files written beside it."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     build(vocab_size, seed).save(str(out / "tokenizer.json"))

@@ -541,16 +541,24 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
     has (``stopped_at`` in the summary), so a run cut short by a device call's limit still returns a
     model; rerun with the same ``steps`` to continue. ``data_workers`` > 0 builds batches in that many
     processes (the same batches as in-thread). ``init_from``: start a fresh run from an earlier
-    run's export (its bf16 weights as fp32 master params, a new optimiser state; the export's
-    config must be this model's) instead of random weights: how a run continues on a machine
-    that no longer has its checkpoints. A run with checkpoints resumes from them and ignores it."""
+    run's export (its bf16 weights as fp32 master params, its tokenizer files, a new optimiser
+    state; the export's config must be this model's) instead of random weights: how a run
+    continues on a machine that no longer has its checkpoints. A run with checkpoints resumes
+    from them (and the tokenizer in its export folder) and ignores it."""
     import orbax.checkpoint as ocp
 
     from jaxserve.tokenizer import Tokenizer
 
     out = Path(out)
     export_dir = out / "export"
-    gt_tokenizer.save(export_dir, vocab_size, seed=tasks.TRAIN_SEED)
+    if (export_dir / "tokenizer.json").exists():  # a resumed run keeps the tokenizer it was trained with
+        pass
+    elif init_from is not None:  # and a continued one its export's
+        export_dir.mkdir(parents=True, exist_ok=True)
+        for name in gt_tokenizer.FILES:
+            shutil.copyfile(Path(init_from) / name, export_dir / name)
+    else:
+        gt_tokenizer.save(export_dir, vocab_size, seed=tasks.TRAIN_SEED)
     tok = Tokenizer.from_dir(export_dir)
     config = model_config(vocab_size, moe_variant=moe_variant, smoke=smoke)
     cfg = ModelConfig.from_hf(config)
