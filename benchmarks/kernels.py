@@ -19,6 +19,9 @@ a child process of this script, after the JAX side, one case at a time, so a pee
 reports fla's GDN fused recurrent kernel hitting an illegal memory access at batch 256) is recorded
 in that case's record instead of taking the whole run down (a CUDA fault poisons the process). Roofline: the state bytes a step must
 move (read + write, fp32) over the device-to-device copy bandwidth measured in the same run.
+Paged-attention extend is compute-bound: its roofline is its causal FLOP floor over a bf16 matmul
+rate measured in the same run (``roofline_basis`` in each record says which floor), and its peer,
+cuDNN flash attention through ``jax.nn.dot_product_attention``, is timed in this process like ours.
 """
 
 from __future__ import annotations
@@ -183,6 +186,25 @@ def measure_copy_bandwidth(nbytes=2 << 30 if not os.environ.get("KERNELS_SMOKE")
     _, res = time_jax_chain(jax.jit(chain, donate_argnums=(0,)), x, (), steps)
     t = res.get("kernel_ms", res["wall_ms"])
     return 2 * nbytes / (t * 1e-3) / 1e12, res
+
+
+def measure_matmul_rate(n=8192 if not os.environ.get("KERNELS_SMOKE") else 256):
+    """bf16 matrix-product rate in TFLOP/s (2·n³ per product; XLA's GEMM, cuBLAS on the GPU): the
+    compute ceiling METHOD.md asks for beside the copy bandwidth, the rate FLOP rooflines divide by.
+    Random operands; b is scaled by n^-1/2 so the chained product stays O(1)."""
+    import jax
+    import jax.numpy as jnp
+
+    ka, kb = jax.random.split(jax.random.key(5))
+    a = jax.random.normal(ka, (n, n), jnp.bfloat16)
+    b = (jax.random.normal(kb, (n, n), jnp.float32) * n ** -0.5).astype(jnp.bfloat16)
+
+    def chain(a, b):
+        return a @ b, ()
+
+    _, res = time_jax_chain(jax.jit(chain, donate_argnums=(0,)), a, (b,), 1)
+    t = res.get("kernel_ms", res["wall_ms"])
+    return 2 * n ** 3 / (t * 1e-3) / 1e12, res
 
 
 # Kernel variants timed (names match benchmarks/gpu_check.py's VARIANTS for the gating below).
@@ -393,50 +415,140 @@ def run_peers(cases, budget_s=80):
 
 
 # ------------------------------------------------------------------------------------------------
-# Paged attention decode (pallas_kernels/paged_attention.py)
+# Paged attention: decode and prefill extend (pallas_kernels/paged_attention.py)
 # ------------------------------------------------------------------------------------------------
 
 # Qwen3.5-like full-attention layers: 16 q heads, 2 kv heads (GQA 8), head_dim 256, bf16 pools,
-# the engine's page size (16). One new token per row, its row's context ``ctx`` keys long.
-# Roofline: the K+V bytes a step must read (B * ctx * nkv * hd * 2 bytes * 2) over the measured
-# copy bandwidth (the H200's is about 4.0e12 B/s). No peer kernel is timed for this suite.
+# the engine's page size (16).
+# Decode: one new token per row, its row's context ``ctx`` keys long. Roofline: the K+V bytes a
+# step must read (B * ctx * nkv * hd * 2 bytes * 2) over the measured copy bandwidth (the H200's is
+# about 4.0e12 B/s). No peer kernel is timed for decode.
+# Extend (a chunked-prefill step): B rows of ``new`` new tokens over ``ctx`` cached tokens each (the
+# same for every row of a case), causal: query i of a row sees its row's ctx + i + 1 keys, read
+# through the page table after the step wrote the new tokens' K/V. Roofline: the FLOP floor
+# (``paged_flops``) over the bf16 matmul rate measured in the same run: an extend is compute-bound
+# (its bytes, ``paged_bytes``, are kept in the record too). Peer: cuDNN's flash attention through
+# ``jax.nn.dot_product_attention(implementation="cudnn")`` in this process (``paged_extend_peer``).
 PAGED_MODEL = dict(model="Qwen3.5-like", nh=16, nkv=2, hd=256, page_size=16)
 PAGED_CONTEXTS = (4096, 32768, 131072)
 PAGED_BATCHES = (1, 64)
+# Extend cases: 4 rows x 2048 new tokens (the engine's prefill chunk) over 0 / 2048 / 6144 cached.
+PAGED_EXTEND_B, PAGED_EXTEND_NEW, PAGED_EXTEND_CONTEXTS = 4, 2048, (0, 2048, 6144)
 PAGED_L2_BYTES = 256 << 20  # a chain cycles through layers until it has read this much (L2: 60 MB)
-if os.environ.get("KERNELS_SMOKE"):
+PAGED_PEER_IMPL = "cudnn"  # dot_product_attention's implementation for the extend peer
+PAGED_PEER_TOL = 2e-2  # a peer variant further than this from the jnp output is not reported
+if os.environ.get("KERNELS_SMOKE"):  # the XLA implementation stands in for cuDNN on the CPU
     PAGED_MODEL = dict(PAGED_MODEL, nh=4, nkv=1, hd=128)
     PAGED_CONTEXTS, PAGED_BATCHES, PAGED_L2_BYTES = (128,), (1, 2), 1 << 20
+    PAGED_EXTEND_B, PAGED_EXTEND_NEW, PAGED_EXTEND_CONTEXTS, PAGED_PEER_IMPL = 2, 64, (0, 64), "xla"
 
 
 def paged_cases(quick=False):
     contexts = PAGED_CONTEXTS[:2] if quick else PAGED_CONTEXTS
-    return [dict(suite="paged_attention", kind="paged_decode", B=B, ctx=ctx, **PAGED_MODEL)
-            for ctx in contexts for B in PAGED_BATCHES]
+    extend = PAGED_EXTEND_CONTEXTS[:2] if quick else PAGED_EXTEND_CONTEXTS
+    return ([dict(suite="paged_attention", kind="paged_decode", B=B, ctx=ctx, **PAGED_MODEL)
+             for ctx in contexts for B in PAGED_BATCHES]
+            + [dict(suite="paged_attention", kind="paged_extend", B=PAGED_EXTEND_B, new=PAGED_EXTEND_NEW, ctx=ctx,
+                    **PAGED_MODEL) for ctx in extend])
 
 
 def paged_case_key(m):
-    return ("paged_attn_decode",
-            f"B={m['B']} ctx={m['ctx']} nh={m['nh']} nkv={m['nkv']} hd={m['hd']} page={m['page_size']} ({m['model']})")
+    heads = f"nh={m['nh']} nkv={m['nkv']} hd={m['hd']} page={m['page_size']} ({m['model']})"
+    if m["kind"] == "paged_extend":
+        return "paged_attn_extend", f"B={m['B']} new={m['new']} cached={m['ctx']} {heads}"
+    return "paged_attn_decode", f"B={m['B']} ctx={m['ctx']} {heads}"
 
 
 def paged_kv_bytes(case):
-    return case["B"] * case["ctx"] * case["nkv"] * case["hd"] * 2 * 2
+    """K+V bytes (bf16) of every row's keys: ``ctx`` per row for decode, ``ctx + new`` for extend."""
+    return case["B"] * (case["ctx"] + case.get("new", 0)) * case["nkv"] * case["hd"] * 2 * 2
+
+
+def paged_bytes(case):
+    """Bytes a step must move: the K+V read; for extend also q read, o written (bf16, nh heads) and
+    the new tokens' K/V written to their pages (left out for decode: one token a row)."""
+    nbytes = paged_kv_bytes(case)
+    if case["kind"] == "paged_extend":
+        nbytes += case["B"] * case["new"] * case["hd"] * 2 * (2 * case["nh"] + 2 * case["nkv"])
+    return nbytes
+
+
+def paged_flops(case):
+    """Extend: the causal FLOP floor, QKᵀ and PV (2·hd FLOPs each per head) for every visible
+    (query, key) pair, 4·nh·hd·Σ visible keys, row b's query i seeing ctx + i + 1 keys (masked
+    pairs are not counted). Decode: None (its roofline is the K/V bytes)."""
+    if case["kind"] != "paged_extend":
+        return None
+    new, ctx = case["new"], case["ctx"]
+    pairs = case["B"] * (new * ctx + new * (new + 1) // 2)
+    return 4 * case["nh"] * case["hd"] * pairs
 
 
 def paged_layout(case):
-    """(layers, steps): enough layers that a chain reads PAGED_L2_BYTES before it re-reads a page."""
+    """(layers, steps): enough layers that a chain reads PAGED_L2_BYTES before it re-reads a page.
+    An extend step runs a fraction of a millisecond or more, so its chain is just one pass over them."""
     layers = max(1, -(-PAGED_L2_BYTES // paged_kv_bytes(case)))
     if os.environ.get("KERNELS_SMOKE"):
         return min(layers, 2), 2
+    if case["kind"] == "paged_extend":
+        return layers, max(layers, 2)
     steps = max(layers, 8) if paged_kv_bytes(case) < (4 << 30) else 2
     return layers, steps
 
 
-def run_paged_jax(case, allowed=None):
+def random_paged_pool(key, layers, num_pages, ps, nkv, hd):
+    """Random bf16 pages ``[layers, num_pages, ps, nkv, hd]``, generated 2**28 elements at a time (a
+    128k x 64 pool has 2**32 elements per pool, past what one random-bits call should count)."""
+    import jax
+    import jax.numpy as jnp
+
+    chunk = max(1, (1 << 28) // (layers * ps * nkv * hd))
+    parts = [jax.random.normal(jax.random.fold_in(key, i), (layers, min(chunk, num_pages - a), ps, nkv, hd),
+                               jnp.bfloat16) for i, a in enumerate(range(0, num_pages, chunk))]
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+
+
+def time_paged_chains(steps_fns, new_pools, x, layers, steps):
+    """Time each ``step(x, k_pool, v_pool, layer) -> (o, k_pool, v_pool)`` of ``steps_fns`` in a jitted
+    chain of ``steps`` calls (the step compiled once), step i on layer i % layers (fresh pages for
+    the L2), the pools donated and threaded through; ``new_pools()`` makes them (again after a
+    failure, which may have consumed the donated ones)."""
+    import jax
+    import jax.numpy as jnp
+
+    def make_chain(step):
+        step = jax.jit(step)  # compiled once, called ``steps`` times inside the chain
+
+        def chain(pools, x, layer_ids):
+            kp, vp = pools
+            outs = []
+            for layer in layer_ids:
+                o, kp, vp = step(x, kp, vp, layer)
+                outs.append(o)
+            return (kp, vp), outs
+        return jax.jit(chain, donate_argnums=(0,))
+
+    layer_ids = [jnp.int32(i % layers) for i in range(steps)]
+    pools, out = new_pools(), {}
+    for name, step in steps_fns.items():
+        try:
+            pools, res = time_jax_chain(make_chain(step), pools, (x, layer_ids), steps)
+        except Exception as e:  # noqa: BLE001
+            res = dict(error=f"{type(e).__name__}: {str(e)[:600]}")
+            pools = new_pools()
+        res.update(layers=layers, steps=steps)
+        out[name] = res
+        print(f"  {name:14} {json.dumps(res)}", flush=True)
+    del pools
+    return out
+
+
+def run_paged_jax(case, allowed=None, peer=True):
     """Ours (default split-K, and one split: what split-K buys at batch 1) and the jnp reference
-    (``layers.paged_attention`` under XLA), each a jitted chain of decode steps over donated pools;
-    step i reads layer i % layers of the pools (fresh pages for the L2)."""
+    (``layers.paged_attention`` under XLA), each a jitted chain of decode steps over donated pools
+    (``time_paged_chains``). Extend cases go to ``run_paged_extend_jax`` (``peer`` is theirs)."""
+    if case["kind"] == "paged_extend":
+        return run_paged_extend_jax(case, allowed, peer)
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -459,7 +571,6 @@ def run_paged_jax(case, allowed=None):
     x = dict(q=jax.random.normal(keys[0], (B, nh, hd), jnp.bfloat16),
              k=jax.random.normal(keys[1], (B, nkv, hd), jnp.bfloat16),
              v=jax.random.normal(keys[2], (B, nkv, hd), jnp.bfloat16))
-    layer_ids = [jnp.int32(i % layers) for i in range(steps)]
     interpret = bool(os.environ.get("KERNELS_SMOKE"))
     variants = {"ours_auto": dict(), "ours_nosplit": dict(num_splits=1)}
     steps_fns = {}
@@ -470,52 +581,156 @@ def run_paged_jax(case, allowed=None):
             x["q"], x["k"], x["v"], kp, vp, layer, r, None, decode=True, interpret=interpret, **kw))(kw)
     steps_fns["jnp"] = lambda x, kp, vp, layer: paged_attention_jnp(x["q"], x["k"], x["v"], kp, vp, layer, r, None)
     out = {n: dict(error="not run: failed or missing in gpu_check") for n in variants if n not in steps_fns}
+    new_pools = lambda: tuple(random_paged_pool(k, layers, num_pages, ps, nkv, hd) for k in keys[3:])  # noqa: E731
+    out.update(time_paged_chains(steps_fns, new_pools, x, layers, steps))
+    return out
 
-    def make_chain(step):
-        step = jax.jit(step)  # compiled once, called ``steps`` times inside the chain
 
-        def chain(pools, x, layer_ids):
-            kp, vp = pools
-            outs = []
-            for layer in layer_ids:
-                o, kp, vp = step(x, kp, vp, layer)
-                outs.append(o)
-            return (kp, vp), outs
-        return jax.jit(chain, donate_argnums=(0,))
+def run_paged_extend_jax(case, allowed=None, peer=True):
+    """Ours (``decode=False``: query tiles of 64 // G tokens of a row, default split-K) and the jnp
+    reference on one extend batch (``random_paged_batch``: each row's pages random pages of the
+    pool), each a jitted chain of extend steps (write the new K/V into the pages, attend) over
+    donated pools (``time_paged_chains``); then, unless ``peer`` is False, the cuDNN peer on the
+    same tokens, returned under ``"peer"`` (a failure is recorded there, never raised)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
 
-    def random_pool(key):
-        """Random bf16 pages, generated 2**28 elements at a time (a 128k x 64 pool has 2**32
-        elements per pool, past what one random-bits call should count)."""
-        chunk = max(1, (1 << 28) // (layers * ps * nkv * hd))
-        parts = [jax.random.normal(jax.random.fold_in(key, i), (layers, min(chunk, num_pages - a), ps, nkv, hd),
-                                   jnp.bfloat16) for i, a in enumerate(range(0, num_pages, chunk))]
-        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+    from jaxserve.models.layers import Ragged
+    from jaxserve.models.layers import paged_attention as paged_attention_jnp
+    from pallas_kernels.paged_attention import paged_attention, random_paged_batch
 
-    pools = (random_pool(keys[3]), random_pool(keys[4]))
-    for name, step in steps_fns.items():
+    B, new, ctx, nh, nkv, hd, ps = (case[n] for n in ("B", "new", "ctx", "nh", "nkv", "hd", "page_size"))
+    layers, steps = paged_layout(case)
+    batch, ragged = random_paged_batch(np.random.default_rng(B * 7 + ctx + new), [ctx] * B, [new] * B,
+                                       nh=nh, nkv=nkv, hd=hd, page_size=ps)
+    num_pages = batch["k_pool"].shape[1]  # its one-layer pools are not used: ours are ``layers`` deep
+    z = jnp.zeros(1, jnp.int32)
+    r = Ragged(**{n: jnp.asarray(a) for n, a in ragged.items()}, read_slot=z, write_slot=z, snap_seq=z,
+               snap_len=z, snap_dst=z)
+    x = {n: jnp.asarray(batch[n], jnp.bfloat16) for n in ("q", "k", "v")}
+    del batch
+    keys = jax.random.split(jax.random.key(4), 2)
+    new_pools = lambda: tuple(random_paged_pool(k, layers, num_pages, ps, nkv, hd) for k in keys)  # noqa: E731
+    interpret = bool(os.environ.get("KERNELS_SMOKE"))
+    steps_fns, out = {}, {}
+    if allowed is None or "paged" in allowed:
+        steps_fns["ours_auto"] = lambda x, kp, vp, layer: paged_attention(
+            x["q"], x["k"], x["v"], kp, vp, layer, r, None, decode=False, interpret=interpret)
+    else:
+        out["ours_auto"] = dict(error="not run: failed or missing in gpu_check")
+    steps_fns["jnp"] = lambda x, kp, vp, layer: paged_attention_jnp(x["q"], x["k"], x["v"], kp, vp, layer, r, None)
+    out.update(time_paged_chains(steps_fns, new_pools, x, layers, steps))
+    if not peer:
+        out["peer"] = dict(peer=f"jax.nn.dot_product_attention {PAGED_PEER_IMPL}", error="not run (--no-peer)")
+        return out
+    try:
+        out["peer"] = paged_extend_peer(case, x, r, new_pools(), layers, steps)
+    except Exception as e:  # noqa: BLE001  (e.g. no cuDNN: recorded, the run goes on)
+        out["peer"] = dict(peer=f"jax.nn.dot_product_attention {PAGED_PEER_IMPL}",
+                           error=f"{type(e).__name__}: {str(e)[:600]}")
+    print(f"  {'peer':14} {json.dumps(out['peer'])}", flush=True)
+    return out
+
+
+def paged_extend_peer(case, x, r, pools, layers, steps):
+    """cuDNN flash attention (``jax.nn.dot_product_attention``, implementation PAGED_PEER_IMPL) on the
+    extend case's tokens, timed as ours is (a jitted chain of ``steps`` calls, step i on layer
+    i % layers' K/V, CUPTI kernel time). cuDNN wants contiguous K/V: each row's cached K/V is
+    gathered from the pages into dense ``[B, ctx, nkv, hd]`` arrays (and the new tokens' K/V copied
+    per layer) outside the timing; only the attention (and the merge below) is timed, not the page
+    write ours does. jax 0.11.2's cuDNN causal mask is top-left aligned (query i sees keys 0..i);
+    rows with cached context need it bottom-right aligned (keys 0..ctx+i), so they are timed two
+    ways and the faster is reported: "mask", one call over all ctx + new keys with that mask as an
+    additive bf16 bias (precomputed; cuDNN then computes the whole new x (ctx + new) rectangle), and
+    "split", the cached keys unmasked plus the new keys causal (top-left is right there), merged by
+    their logsumexps (the exact work; jax hands the logsumexp back in bf16, which costs accuracy).
+    Without cached context it is one causal call. Every variant's output is compared once with the
+    jnp reference's (``o_rel_err_vs_jnp``); one further off than PAGED_PEER_TOL is not reported."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.models.layers import paged_attention as paged_attention_jnp
+
+    B, new, ctx, nh, nkv, hd, ps = (case[n] for n in ("B", "new", "ctx", "nh", "nkv", "hd", "page_size"))
+    o_ref = jax.jit(lambda x, kp, vp: paged_attention_jnp(x["q"], x["k"], x["v"], kp, vp, 0, r, None)[0])(x, *pools)
+    kp, vp = pools
+    pos = jnp.arange(ctx)
+    pages = r.page_table[:, pos // ps]  # [B, ctx]: row b's cached positions, page by page
+    q = x["q"].reshape(B, new, nh, hd)
+    dense = []
+    for layer in range(layers):  # each layer's own arrays: no step re-reads the previous one's from L2
+        d = dict(kn=x["k"].reshape(B, new, nkv, hd) + 0, vn=x["v"].reshape(B, new, nkv, hd) + 0)
+        if ctx:
+            d.update(kc=kp[layer, pages, pos % ps], vc=vp[layer, pages, pos % ps])
+            d.update(kd=jnp.concatenate([d["kc"], d["kn"]], 1), vd=jnp.concatenate([d["vc"], d["vn"]], 1))
+        dense.append(d)
+    del pools, kp, vp
+    dpa = lambda *a, **kw: jax.nn.dot_product_attention(*a, implementation=PAGED_PEER_IMPL, **kw)  # noqa: E731
+    keys_pos = jnp.arange(ctx + new)[None, :]
+    visible = keys_pos <= ctx + jnp.arange(new)[:, None]  # bottom-right causal, [new, ctx + new]
+    bias = jnp.where(visible, 0.0, -2.0 ** 41).astype(jnp.bfloat16)[None, None]  # as jax turns a mask into bias
+
+    def merge(a, b):
+        """Softmax over the union of two key sets from each part's output and logsumexp."""
+        (oa, la), (ob, lb) = a, b
+        la, lb = la.astype(jnp.float32)[..., None], lb.astype(jnp.float32)[..., None]
+        m = jnp.maximum(la, lb)
+        wa, wb = jnp.exp(la - m), jnp.exp(lb - m)
+        return ((oa.astype(jnp.float32) * wa + ob.astype(jnp.float32) * wb) / (wa + wb)).astype(oa.dtype)
+
+    variants = {"causal": (lambda q, d, bias: dpa(q, d["kn"], d["vn"], is_causal=True), ("kn", "vn"))}
+    if ctx:
+        variants = {
+            "mask": (lambda q, d, bias: dpa(q, d["kd"], d["vd"], bias=bias), ("kd", "vd")),
+            "split": (lambda q, d, bias: merge(dpa(q, d["kc"], d["vc"], return_residual=True),
+                                               dpa(q, d["kn"], d["vn"], is_causal=True, return_residual=True)),
+                      ("kc", "vc", "kn", "vn")),
+        }
+    res = {}
+    for name, (fn, names) in variants.items():
+        args = [{n: d[n] for n in names} for d in dense]
+        call = jax.jit(fn)
+
+        def chain(state, q, args, bias):
+            return state, [call(q, args[i % layers], bias) for i in range(steps)]
         try:
-            pools, res = time_jax_chain(make_chain(step), pools, (x, layer_ids), steps)
+            o = call(q, args[0], bias).reshape(B * new, nh * hd).astype(jnp.float32)
+            err = float(jnp.linalg.norm(o - o_ref.astype(jnp.float32)) / jnp.linalg.norm(o_ref.astype(jnp.float32)))
+            _, res[name] = time_jax_chain(jax.jit(chain), None, (q, args, bias), steps)
+            res[name]["o_rel_err_vs_jnp"] = err
         except Exception as e:  # noqa: BLE001
-            res = dict(error=f"{type(e).__name__}: {str(e)[:600]}")
-            pools = (random_pool(keys[3]), random_pool(keys[4]))
-        res.update(layers=layers, steps=steps)
-        out[name] = res
-        print(f"  {name:14} {json.dumps(res)}", flush=True)
-    del pools
+            res[name] = dict(error=f"{type(e).__name__}: {str(e)[:600]}")
+    t = lambda r: r.get("kernel_ms", r.get("wall_ms"))  # noqa: E731
+    ok = {n: v for n, v in res.items() if "error" not in v and v["o_rel_err_vs_jnp"] <= PAGED_PEER_TOL}
+    out = dict(peer=f"jax.nn.dot_product_attention {PAGED_PEER_IMPL}", variants=res, layers=layers, steps=steps)
+    if not ok:
+        why = "; ".join(f"{n}: {v['error'][:200]}" if "error" in v else f"{n}: rel err {v['o_rel_err_vs_jnp']:.2g}"
+                        for n, v in res.items())
+        return dict(out, error=f"no variant ran within {PAGED_PEER_TOL} of the jnp output ({why})")
+    best = min(ok, key=lambda n: t(ok[n]))
+    out.update({k: ok[best][k] for k in ("kernel_ms", "wall_ms") if k in ok[best]}, variant=best)
+    out["peer"] += f" ({best})"
+    how = f"the faster of {' / '.join(variants)}" if ctx else "one causal call"
+    out["note"] = f"peer: {how}, attention only (ours also writes the K/V pages)"
     return out
 
 
 # ------------------------------------------------------------------------------------------------
-# GDN chunked prefill (pallas_kernels/gdn_chunked.py: jnp UT transform + Mosaic GPU recurrence)
+# GDN / KDA chunked prefill (pallas_kernels/gdn_chunked.py: jnp UT transform + Mosaic GPU recurrence)
 # ------------------------------------------------------------------------------------------------
 
-# Qwen3-Next GDN layers (16 k-heads, 32 v-heads, d 128), bf16 activations, fp32 states. A case is
-# one prefill call over ``tokens`` tokens: one sequence (start_pos 0) or a ragged batch (random
-# lengths, random start positions, so most sequences start mid-chunk). Each sequence asks for one
-# snapshot, at its last x64 boundary (what the radix cache keeps). Roofline: the bytes the call must
-# move (q, k, v, g, beta read once, o written once, initial and final states and the snapshots).
-# Peer: fla's chunk_gated_delta_rule on the same tokens (cu_seqlens, one initial state per
-# sequence; its chunks start at each sequence's first token, it has no start_pos, no snapshots).
+# Qwen3-Next GDN layers (16 k-heads, 32 v-heads, d 128) and Kimi-Linear KDA layers
+# (DECODE_MODELS["kda"]: 32 k- and v-heads, d 128, a per-channel gate g [T, Hv, dk]), bf16
+# activations, fp32 gates and states. A case is one prefill call over ``tokens`` tokens, the same
+# layouts for both: one sequence (start_pos 0) or a ragged batch (random lengths, random start
+# positions, so most sequences start mid-chunk). Each sequence asks for one snapshot, at its last
+# x64 boundary (what the radix cache keeps). Roofline: the bytes the call must move (q, k, v, g,
+# beta read once, o written once, initial and final states and the snapshots).
+# Peer: fla's chunk_gated_delta_rule (GDN) or chunk_kda (KDA) on the same tokens (cu_seqlens, one
+# initial state per sequence; its chunks start at each sequence's first token, it has no start_pos,
+# no snapshots). Ours is the same kernel for both (gdn_chunked_pallas takes a KDA gate); the jnp
+# reference is gdn_chunked or kda_chunked.
 CHUNKED_MODEL = dict(model="Qwen3-Next", Hk=16, Hv=32, dk=128, dv=128)
 CHUNKED_TOKENS = (8192, 65536)
 CHUNKED_RAGGED_SEQS = {8192: 8, 65536: 16}
@@ -529,13 +744,14 @@ CHECKED_AS.update(chunked_f32mm="chunked_float32mm", chunked_bf16mm="chunked_bfl
 
 def chunked_cases(quick=False):
     tokens = CHUNKED_TOKENS[:1] if quick else CHUNKED_TOKENS
-    return [dict(suite="chunked", kind="gdn", tokens=T, ragged=ragged, **CHUNKED_MODEL)
-            for T in tokens for ragged in (False, True)]
+    models = dict(gdn=CHUNKED_MODEL, kda=DECODE_MODELS["kda"])  # smoke: both already shrunk
+    return [dict(suite="chunked", kind=kind, tokens=T, ragged=ragged, **models[kind])
+            for kind in ("gdn", "kda") for T in tokens for ragged in (False, True)]
 
 
 def chunked_case_key(m):
     seqs = f"{CHUNKED_RAGGED_SEQS[m['tokens']]} seqs ragged" if m["ragged"] else "1 seq"
-    return ("gdn_chunked_prefill",
+    return (f"{m['kind']}_chunked_prefill",
             f"T={m['tokens']} {seqs} Hk={m['Hk']} Hv={m['Hv']} dk={m['dk']} dv={m['dv']} ({m['model']})")
 
 
@@ -557,9 +773,13 @@ def chunked_layout(case):
 
 
 def chunked_bytes(case):
+    """Bytes the call must move: q, k, v (bf16), g (fp32: [T, Hv] for GDN, [T, Hv, dk] for KDA) and
+    beta (bf16) read once, o (bf16) written once, and per sequence the fp32 initial state read, the
+    final state and one snapshot written."""
     T, Hk, Hv, dk, dv = (case[n] for n in ("tokens", "Hk", "Hv", "dk", "dv"))
     n = len(chunked_layout(case)[0])
-    activations = T * (2 * Hk * dk * 2 + Hv * dv * 2 + Hv * (4 + 2) + Hv * dv * 2)  # q k v g beta in, o out
+    gate = 4 * (dk if case["kind"] == "kda" else 1)
+    activations = T * (2 * Hk * dk * 2 + Hv * dv * 2 + Hv * (gate + 2) + Hv * dv * 2)  # q k v g beta in, o out
     return activations + 3 * n * Hv * dk * dv * 4  # initial states in, finals and snapshots out
 
 
@@ -567,11 +787,19 @@ def chunked_flops(case):
     """Matmul FLOPs of the chunked form (per chunk and value head, C = 64): K Kᵀ and Q Kᵀ scores
     (2·C²·dk each), T applied to beta·v and beta·k·e^G (2·C²·(dv + dk)), and the recurrence's
     w S, (q e^G) S, (k e^(G_last - G))ᵀ v_new (2·C·dk·dv each) and qk v_new (2·C²·dv). With the
-    measured tf32 matrix rate this is the compute floor beside the byte roofline (METHOD.md)."""
+    measured tf32 matrix rate this is the compute floor beside the byte roofline (METHOD.md).
+    KDA: the same matmul FLOPs (its per-channel decayed scores are products of gated operands,
+    q e^G against k e^-G, as fla forms them; our XLA terms form them elementwise over [C, C, dk],
+    more than this floor) plus the per-channel gate work a scalar gate does not have: the cumulative
+    sum of g and an exp and a multiply on each of the four gated [C, dk] operands (q e^G, k e^G,
+    k e^-G, k e^(G_last - G)), 9·C·dk per chunk and head (under 1% of the matmuls; GDN's scalar
+    gating and both forms' state decay, dk·dv multiplies per chunk, are not counted)."""
     C, dk, dv = 64, case["dk"], case["dv"]
     lens, start, _ = chunked_layout(case)
     chunks = int(sum(-(-(s % C + n) // C) for n, s in zip(lens.tolist(), start.tolist())))
     per = 2 * C * C * dk * 2 + 2 * C * C * (dk + dv) + 3 * 2 * C * dk * dv + 2 * C * C * dv
+    if case["kind"] == "kda":
+        per += 9 * C * dk
     return chunks * case["Hv"] * per
 
 
@@ -581,20 +809,23 @@ def chunked_inputs_np(case, seed=0):
     rng = np.random.default_rng(seed)
     T, Hk, Hv, dk, dv = (case[n] for n in ("tokens", "Hk", "Hv", "dk", "dv"))
     f32 = lambda *s: rng.standard_normal(size=s, dtype=np.float32)  # noqa: E731
+    g_shape = (T, Hv, dk) if case["kind"] == "kda" else (T, Hv)
     return dict(q=f32(T, Hk, dk), k=f32(T, Hk, dk), v=f32(T, Hv, dv),
-                g=-rng.uniform(0.0, 1.0, size=(T, Hv)).astype(np.float32),
+                g=-rng.uniform(0.0, 1.0, size=g_shape).astype(np.float32),
                 beta=rng.uniform(0.0, 1.0, size=(T, Hv)).astype(np.float32))
 
 
 def run_chunked_jax(case, allowed=None):
-    """Ours (each WGMMA operand dtype gpu_check passed) and ``gdn_chunked`` under XLA: a jitted chain
-    of ``steps`` prefill calls, each one's final states the next one's initial states (donated)."""
+    """Ours (each WGMMA operand dtype gpu_check passed) and ``gdn_chunked`` (GDN) or ``kda_chunked``
+    (KDA) under XLA: a jitted chain of ``steps`` prefill calls, each one's final states the next
+    one's initial states (donated)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from pallas_kernels.gdn_chunked import gdn_chunked_pallas
     from pallas_kernels.gdn_reference import gdn_chunked
+    from pallas_kernels.kda_reference import kda_chunked
 
     lens, start, snap = chunked_layout(case)
     steps = 1 if os.environ.get("KERNELS_SMOKE") or case["tokens"] > 16384 else 4
@@ -612,7 +843,8 @@ def run_chunked_jax(case, allowed=None):
             continue
         fns[f"ours_{name}"] = (lambda mm: lambda x, s: gdn_chunked_pallas(
             **x, **idx, initial_state=s, matmul_dtype=mm, interpret=interpret))(mm)
-    fns["jnp"] = lambda x, s: gdn_chunked(**x, **idx, initial_state=s)
+    reference = kda_chunked if case["kind"] == "kda" else gdn_chunked
+    fns["jnp"] = lambda x, s: reference(**x, **idx, initial_state=s)
 
     def make_chain(call):
         call = jax.jit(call)
@@ -641,11 +873,18 @@ def run_chunked_jax(case, allowed=None):
 
 
 def run_chunked_fla(case):
-    """fla's chunk_gated_delta_rule (Triton) on the case's tokens, in a CUDA graph. If this fla
-    has no grouped value heads (Hv > Hk), q and k are repeated to Hv heads once, outside the timing."""
+    """fla's chunk_gated_delta_rule (GDN) or chunk_kda (KDA, g [1, T, Hv, dk] fp32) (Triton) on the
+    case's tokens, in a CUDA graph, called the same way. If this fla has no grouped value heads
+    (Hv > Hk), q and k are repeated to Hv heads once, outside the timing."""
     import numpy as np
     import torch
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    if case["kind"] == "kda":
+        from fla.ops.kda import chunk_kda as chunk_fn
+        peer = "fla chunk_kda"
+    else:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as chunk_fn
+        peer = "fla chunk_gated_delta_rule"
 
     lens, _, _ = chunked_layout(case)
     x = chunked_inputs_np(case)
@@ -657,9 +896,8 @@ def run_chunked_fla(case):
     scale = case["dk"] ** -0.5
 
     def make_call(q, k):
-        return lambda i: chunk_gated_delta_rule(q, k, t["v"], t["g"], t["beta"], scale=scale, initial_state=state,
-                                                output_final_state=True, cu_seqlens=cu,
-                                                use_qk_l2norm_in_kernel=True)
+        return lambda i: chunk_fn(q, k, t["v"], t["g"], t["beta"], scale=scale, initial_state=state,
+                                  output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
 
     how = "grouped heads"
     call = make_call(t["q"], t["k"])
@@ -672,7 +910,7 @@ def run_chunked_fla(case):
         how = f"q/k repeated to Hv heads ({type(e).__name__})"
     torch.cuda.synchronize()
     res = time_torch_graph(call, 1)
-    res["peer"] = "fla chunk_gated_delta_rule"
+    res["peer"] = peer
     res["peer_heads"] = how
     return res
 
@@ -682,34 +920,58 @@ class Suite:
     cases: Callable[[bool], list]
     run_jax: Callable[..., dict]
     state_bytes: Callable[[dict], int]
-    has_peer: bool = True  # fla has a kernel to time against
+    has_peer: bool = True  # fla has a kernel to time against (in the child process)
+    # run_jax times a peer in this process (it takes ``peer=``) and returns it as its "peer" entry
+    in_process_peer: bool = False
+    # FLOPs whose floor over the measured matmul rate is a case's roofline (None: the bytes' floor)
+    flops: Callable[[dict], int | None] | None = None
 
 
 SUITES = {"decode": Suite(decode_cases, run_decode_jax, decode_state_bytes),
-          "paged_attention": Suite(paged_cases, run_paged_jax, paged_kv_bytes, has_peer=False),
+          "paged_attention": Suite(paged_cases, run_paged_jax, paged_bytes, has_peer=False, in_process_peer=True,
+                                   flops=paged_flops),
           "chunked": Suite(chunked_cases, run_chunked_jax, chunked_bytes)}
 
 
-def make_record(case, jax_res, peer_res, bandwidth_tbps, suite):
+def make_record(case, jax_res, peer_res, bandwidth_tbps, suite, matmul_tflops=None):
+    """One case's record. A peer timed in this process (paged extend's cuDNN) comes back as
+    ``jax_res["peer"]`` and stands in for ``peer_res`` (the fla child's). The roofline is the case's
+    FLOP floor over the measured bf16 matmul rate where the suite counts one (``Suite.flops``), else
+    its bytes over the measured copy bandwidth; ``roofline_basis`` says which."""
+    jax_res = dict(jax_res)
+    peer_res = jax_res.pop("peer", peer_res)
     kernel, shape = case_key(case)
     ours = {n: r for n, r in jax_res.items() if n.startswith("ours") and "error" not in r}
     t = lambda r: r.get("kernel_ms", r.get("wall_ms"))  # noqa: E731
     best = min(ours, key=lambda n: t(ours[n])) if ours else None
     nbytes = suite.state_bytes(case)
-    roofline_ms = nbytes / (bandwidth_tbps * 1e12) * 1e3
+    flops = suite.flops(case) if suite.flops else None
+    if flops and matmul_tflops:
+        roofline_ms = flops / (matmul_tflops * 1e12) * 1e3
+        basis = f"flops: {flops:.4g} FLOP over the measured bf16 matmul rate ({matmul_tflops:.1f} TFLOP/s)"
+    else:
+        roofline_ms = nbytes / (bandwidth_tbps * 1e12) * 1e3
+        basis = "bytes: state_bytes over the measured copy bandwidth"
+    peer_t = peer_res.get("graph_ms", t(peer_res))  # fla: CUDA-graph time; in process: as ours
     rec = dict(kernel=kernel, shape=shape,
                ours_ms=round(t(ours[best]), 5) if best else None,
                peer=peer_res.get("peer", "fla"),
-               peer_ms=round(peer_res["graph_ms"], 5) if "graph_ms" in peer_res else None,
-               roofline_ms=round(roofline_ms, 5), date=DATE,
+               peer_ms=round(peer_t, 5) if peer_t is not None else None,
+               roofline_ms=round(roofline_ms, 5), roofline_basis=basis, date=DATE,
                ours_variant=best, jnp_ms=round(t(jax_res["jnp"]), 5) if "error" not in jax_res.get("jnp", {"error": 1}) else None,
                state_bytes=nbytes, copy_bandwidth_tbps=round(bandwidth_tbps, 3),
                gpu="NVIDIA H200")
     rec["ours_pct_roofline"] = round(100 * roofline_ms / rec["ours_ms"], 1) if rec["ours_ms"] else None
     rec["peer_pct_roofline"] = round(100 * roofline_ms / rec["peer_ms"], 1) if rec["peer_ms"] else None
     rec["jnp_pct_roofline"] = round(100 * roofline_ms / rec["jnp_ms"], 1) if rec["jnp_ms"] else None
+    if flops:
+        rec.update(flops=flops, matmul_tflops=round(matmul_tflops, 1) if matmul_tflops else None)
     if "error" in peer_res:
         rec["peer_error"] = peer_res["error"]
+    notes = [f"roofline: FLOP floor at {matmul_tflops:.0f} TFLOP/s" if flops and matmul_tflops else "",
+             peer_res.get("note", "")]
+    if any(notes):
+        rec["note"] = "; ".join(n for n in notes if n)
     rec["detail"] = dict(jax=jax_res, peer=peer_res)
     return rec
 
@@ -766,6 +1028,10 @@ def main():
     print(jax.devices(), flush=True)
     bw, bw_res = measure_copy_bandwidth()
     print(f"copy bandwidth {bw:.3f} TB/s {json.dumps(bw_res)}", flush=True)
+    mm, mm_res = None, None
+    if any(SUITES[name].flops for name in args.only.split(",")):
+        mm, mm_res = measure_matmul_rate()
+        print(f"bf16 matmul {mm:.1f} TFLOP/s {json.dumps(mm_res)}", flush=True)
     records = []
     os.makedirs(args.out, exist_ok=True)
     out_json = os.path.join(args.out, os.path.basename(RESULTS))
@@ -775,11 +1041,12 @@ def main():
         jax_results = {}
         allowed = checked_variants(args.out)
         print(f"variants passed by gpu_check: {sorted(allowed)}", flush=True)
+        peer_kw = dict(peer=not args.no_peer) if suite.in_process_peer else {}
         for case in cases:
             print(f"{case_key(case)}", flush=True)
-            jax_results[case_key(case)] = suite.run_jax(case, allowed)
+            jax_results[case_key(case)] = suite.run_jax(case, allowed, **peer_kw)
             merge_records(out_json, [make_record(case, jax_results[case_key(case)], dict(error="not run yet"),
-                                                 bw, suite)])  # partial results survive a timeout
+                                                 bw, suite, mm)])  # partial results survive a timeout
         budget = args.peer_budget
         if args.time_budget is not None:
             budget = min(budget, args.time_budget - (time.monotonic() - t_start) - 8)
@@ -788,9 +1055,9 @@ def main():
         no_peer = dict(error="not run") if suite.has_peer else dict(peer="none", error="no peer kernel timed")
         for case in cases:
             records.append(make_record(case, jax_results[case_key(case)],
-                                       peer_results.get(case_key(case), no_peer), bw, suite))
+                                       peer_results.get(case_key(case), no_peer), bw, suite, mm))
     merged = merge_records(out_json, records)
-    summary = dict(date=DATE, copy_bandwidth_tbps=bw, copy_detail=bw_res,
+    summary = dict(date=DATE, copy_bandwidth_tbps=bw, copy_detail=bw_res, matmul_tflops=mm, matmul_detail=mm_res,
                    when=datetime.datetime.now(datetime.timezone.utc).isoformat())
     with open(os.path.join(args.out, "kernels-run.json"), "w") as f:
         json.dump(summary, f, indent=1)
