@@ -213,6 +213,31 @@ def test_full_size_models_fit_budget(moe):
     assert cfg.layer_types.count("linear_attention") == 3 * cfg.layer_types.count("full_attention")
 
 
+def test_config_overrides_land_in_the_config_and_bad_keys_raise():
+    """``train(config_overrides=...)`` / ``--config KEY=VALUE``: HF keys replace values,
+    ``partial_rotary_factor`` goes into rope_parameters, ``attention_every`` rebuilds layer_types."""
+    over = train.parse_config_overrides(["partial_rotary_factor=1.0", "attention_every=2", "hidden_size=64",
+                                         "num_hidden_layers=6"])
+    assert over == {"partial_rotary_factor": 1.0, "attention_every": 2, "hidden_size": 64, "num_hidden_layers": 6}
+    raw = train.model_config(300, moe_variant=False, smoke=True, overrides=over)
+    assert raw["hidden_size"] == 64 and raw["num_hidden_layers"] == 6
+    assert raw["rope_parameters"]["partial_rotary_factor"] == 1.0 and raw["rope_parameters"]["rope_theta"] == 10000.0
+    assert raw["layer_types"] == ["linear_attention", "full_attention"] * 3
+    cfg = ModelConfig.from_hf(raw)
+    assert cfg.rotary_dim == cfg.head_dim
+    # the default is untouched, and a changed layer count keeps the 3:1 pattern
+    assert train.model_config(300, moe_variant=False, smoke=True)["rope_parameters"]["partial_rotary_factor"] == 0.25
+    assert train.model_config(300, moe_variant=True, smoke=True, overrides={"num_hidden_layers": 8})["layer_types"] == \
+        ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"]
+    for bad in ({"hiden_size": 64}, {"num_experts": 4}, {"partial_rotary_factor": 0}, {"attention_every": 0}):
+        with pytest.raises(ValueError):
+            train.model_config(300, moe_variant=False, smoke=True, overrides=bad)
+    with pytest.raises(ValueError, match="unknown config override"):
+        train.main(["--out", "/nonexistent/never-written", "--smoke", "--config", "no_such_key=1"])
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        train.parse_config_overrides(["partial_rotary_factor"])
+
+
 def _two_layer(moe: bool) -> ModelConfig:
     """The smoke config cut to one GDN + one full-attention layer (compiles in half the time)."""
     raw = train.model_config(300, moe_variant=moe, smoke=True)

@@ -1,10 +1,12 @@
 """Train a ground-truth hybrid (qwen3_5, or qwen3_5_moe with --moe) on the tasks and export it.
 
-    python -m weights.groundtruth.train --out DIR [--steps N] [--moe] [--smoke] [--seed S]
+    python -m weights.groundtruth.train --out DIR [--steps N] [--moe] [--smoke] [--seed S] [--config KEY=VALUE ...]
 
 What it does, in order:
 1. tokenizer: ``weights.groundtruth.tokenizer`` (BPE on the task corpus), saved into DIR/export;
-2. model: a qwen3_5(_moe) config; HF-named tensors initialised at random (the families of values
+2. model: a qwen3_5(_moe) config (``--config KEY=VALUE``, repeatable, VALUE as JSON, changes it:
+   any HF config key, ``partial_rotary_factor=F`` into ``rope_parameters``, ``attention_every=N``
+   for every N-th layer full attention; unknown keys raise ValueError); HF-named tensors initialised at random (the families of values
    transformers uses) and mapped by ``jaxserve.models.params.build_params`` into the params pytree,
    so training updates exactly the tensors that are exported;
 3. training: flax ``TrainState`` + optax AdamW (warmup + cosine, global-norm clip 1.0), fp32 master
@@ -71,13 +73,42 @@ _COMMON = dict(
 )
 
 
-def _layer_types(n: int) -> list[str]:
-    """GDN : full attention = 3 : 1 (every 4th layer full attention, as Qwen3.5)."""
-    return ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
+def _layer_types(n: int, every: int = 4) -> list[str]:
+    """GDN : full attention = (every - 1) : 1 (every ``every``-th layer full attention; 4 as Qwen3.5)."""
+    return ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
 
 
-def model_config(vocab_size: int, *, moe_variant: bool, smoke: bool) -> dict:
-    """The HF config.json (text config) of the model to train."""
+# Derived override keys (not HF config keys) accepted by ``model_config``'s ``overrides``.
+DERIVED_OVERRIDES = ("partial_rotary_factor", "attention_every")
+
+
+def _apply_overrides(cfg: dict, overrides: dict) -> dict:
+    """``cfg`` with ``overrides``: keys of the HF config replace their values; ``partial_rotary_factor``
+    goes into ``rope_parameters``; ``attention_every=N`` makes every N-th layer full attention
+    (``layer_types`` is rebuilt too when ``num_hidden_layers`` changes). Unknown keys raise."""
+    unknown = sorted(k for k in overrides if k not in cfg and k not in DERIVED_OVERRIDES)
+    if unknown:
+        raise ValueError(f"unknown config override(s) {unknown}; allowed: the model's HF config keys "
+                         f"{sorted(cfg)} and {list(DERIVED_OVERRIDES)}")
+    cfg = {**cfg, **{k: v for k, v in overrides.items() if k not in DERIVED_OVERRIDES}}
+    if "partial_rotary_factor" in overrides:
+        f = overrides["partial_rotary_factor"]
+        if not isinstance(f, (int, float)) or not 0 < f <= 1:
+            raise ValueError(f"partial_rotary_factor must be in (0, 1], got {f!r}")
+        cfg["rope_parameters"] = {**cfg["rope_parameters"], "partial_rotary_factor": float(f)}
+    every = overrides.get("attention_every")
+    if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
+        raise ValueError(f"attention_every must be a positive integer, got {every!r}")
+    if "layer_types" in overrides and ("attention_every" in overrides or len(cfg["layer_types"]) != cfg["num_hidden_layers"]):
+        raise ValueError("layer_types override conflicts with attention_every / num_hidden_layers")
+    if "layer_types" not in overrides and (every is not None or "num_hidden_layers" in overrides):
+        cfg["layer_types"] = _layer_types(cfg["num_hidden_layers"], every or 4)
+    return cfg
+
+
+def model_config(vocab_size: int, *, moe_variant: bool, smoke: bool, overrides: dict | None = None) -> dict:
+    """The HF config.json (text config) of the model to train; ``overrides`` (``--config KEY=VALUE``)
+    change it, see ``_apply_overrides``."""
     if smoke:
         size = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
                     num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
@@ -92,8 +123,25 @@ def model_config(vocab_size: int, *, moe_variant: bool, smoke: bool) -> dict:
     if moe_variant:
         cfg.pop("intermediate_size")
         cfg.update(moe_size, router_aux_loss_coef=0.001, output_router_logits=False)
-        return {"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text", **cfg}
-    return {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", **cfg}
+        cfg = {"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text", **cfg}
+    else:
+        cfg = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", **cfg}
+    return _apply_overrides(cfg, overrides) if overrides else cfg
+
+
+def parse_config_overrides(items: list[str] | None) -> dict:
+    """``["KEY=VALUE", ...]`` (``--config``) -> dict; VALUE is JSON (``1.0``, ``2``, ``true``, ``[...]``),
+    or the bare string where it is not valid JSON."""
+    out: dict = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--config expects KEY=VALUE, got {item!r}")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
 
 
 def init_tensors(cfg: ModelConfig, seed: int, init_std: float = 0.02) -> dict[str, np.ndarray]:
@@ -533,7 +581,7 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
           curriculum: float = 0.25, vocab_size: int = gt_tokenizer.DEFAULT_VOCAB, log_every: int = 10,
           compute_dtype: str | None = None, kinds: tuple[str, ...] | None = None, stop_at: int | None = None,
           time_limit: float | None = None, data_workers: int = 0, init_from: str | Path | None = None,
-          log=print) -> dict:
+          config_overrides: dict | None = None, log=print) -> dict:
     """Train (resuming from DIR/checkpoints if present) and export to DIR/export. Returns a summary
     (``final_params``: the trained pytree). ``kinds`` restricts the buckets to those task kinds;
     ``stop_at`` ends the run early after a checkpoint, without export (as a preempted run would);
@@ -544,7 +592,10 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
     run's export (its bf16 weights as fp32 master params, its tokenizer files, a new optimiser
     state; the export's config must be this model's) instead of random weights: how a run
     continues on a machine that no longer has its checkpoints. A run with checkpoints resumes
-    from them (and the tokenizer in its export folder) and ignores it."""
+    from them (and the tokenizer in its export folder) and ignores it. ``config_overrides``
+    (``--config KEY=VALUE``) changes the model config: any key of the HF config, plus
+    ``partial_rotary_factor`` (into ``rope_parameters``) and ``attention_every=N`` (every N-th layer
+    full attention); unknown keys raise ValueError."""
     import orbax.checkpoint as ocp
 
     from jaxserve.tokenizer import Tokenizer
@@ -560,7 +611,7 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
     else:
         gt_tokenizer.save(export_dir, vocab_size, seed=tasks.TRAIN_SEED)
     tok = Tokenizer.from_dir(export_dir)
-    config = model_config(vocab_size, moe_variant=moe_variant, smoke=smoke)
+    config = model_config(vocab_size, moe_variant=moe_variant, smoke=smoke, overrides=config_overrides)
     cfg = ModelConfig.from_hf(config)
     on_gpu = jax.default_backend() == "gpu"
     cdtype = jnp.dtype(compute_dtype or ("bfloat16" if on_gpu else "float32"))
@@ -658,12 +709,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="start from an earlier run's export instead of random weights (new optimiser state)")
     ap.add_argument("--data-workers", type=int, default=0,
                     help="processes building batches (0: one background thread); use 2-4 with large --batch-tokens")
+    ap.add_argument("--config", action="append", metavar="KEY=VALUE", default=[],
+                    help="override a model config key (VALUE as JSON; repeatable): HF config keys, "
+                         "partial_rotary_factor, attention_every=N (every N-th layer full attention)")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), help="compute dtype (default bf16 on GPU)")
     ap.add_argument("--probes", type=int, default=100, help="held-out probes per task (0: no evaluation)")
     ap.add_argument("--probe-needle-tokens", type=int, nargs=2, default=(1000, 4000))
     ap.add_argument("--eval-mode", choices=("generate", "pieces"), default="generate",
                     help="pieces: same greedy tokens, far fewer compilations (see greedy_pieces)")
     args = ap.parse_args(argv)
+    overrides = parse_config_overrides(args.config)
+    model_config(1024, moe_variant=args.moe, smoke=args.smoke, overrides=overrides)  # bad keys fail before any work
 
     # Compiled steps persist across runs (a resumed run, or the MoE run after the dense one).
     jax.config.update("jax_compilation_cache_dir", str(Path(args.out).resolve() / "jax_cache"))
@@ -672,7 +728,7 @@ def main(argv: list[str] | None = None) -> int:
                     batch_tokens=args.batch_tokens, ckpt_every=args.ckpt_every, warmup=args.warmup,
                     curriculum=args.curriculum, log_every=args.log_every, compute_dtype=args.dtype,
                     kinds=tuple(args.kinds) if args.kinds else None, time_limit=args.time_limit,
-                    data_workers=args.data_workers, init_from=args.init_from)
+                    data_workers=args.data_workers, init_from=args.init_from, config_overrides=overrides or None)
     summary.pop("final_params")
     summary["train_wall_s"] = time.perf_counter() - t0
     print(json.dumps({"train": summary}), flush=True)
