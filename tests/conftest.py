@@ -25,7 +25,7 @@ CHECKPOINTS = [
 ]
 PROMPT_LEN, NEW_TOKENS = 100, 32
 # Checkpoints we ship (name -> folder), checked against transformers the same way, on a real chat prompt.
-SHIPPED = {"default": Path(__file__).resolve().parents[1] / "weights" / "default"}
+SHIPPED = {name: Path(__file__).resolve().parents[1] / "weights" / name for name in ("default", "moe")}
 
 
 def shipped_prompt(folder: Path) -> list[int]:

@@ -244,6 +244,18 @@ def _two_layer(moe: bool) -> ModelConfig:
     return ModelConfig.from_hf({**raw, "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]})
 
 
+def test_answer_accuracies_count_first_answer_tokens_apart():
+    # two answers: tokens 2-4 and 7-8 (mask on the answer tokens); predictions right on 3, 4, 8
+    tokens = jnp.arange(10)[None]
+    mask = jnp.array([[0, 0, 1, 1, 1, 0, 0, 1, 1, 0]])
+    guess = np.full((1, 9), -1)
+    guess[0, [2, 3, 7]] = [3, 4, 8]  # logits at t predict token t + 1
+    logits = jax.nn.one_hot(jnp.asarray(np.maximum(guess, 0)), 10) * (jnp.asarray(guess) >= 0)[..., None]
+    logits = logits + jax.nn.one_hot(jnp.full((1, 9), 9), 10) * 0.5 * (jnp.asarray(guess) < 0)[..., None]
+    acc, first = train.answer_accuracies(logits, tokens, mask)
+    assert float(acc) == pytest.approx(3 / 5) and float(first) == 0.0  # firsts are tokens 2 and 7: both wrong
+
+
 def test_train_logits_match_decoder_forward():
     """The training forward (dense attention, training delta rule) against the serving stack.
     (Dense MLP only: the MoE block is the same ``layers.moe`` call in both, and compiling it again

@@ -256,15 +256,26 @@ def train_logits(params: dict, cfg: ModelConfig, tokens: jax.Array, remat: bool 
 
 
 def loss_fn(params, cfg: ModelConfig, tokens, mask, compute_dtype, remat: bool = True):
-    """Mean cross-entropy over answer tokens (mask on the predicted token), and their accuracy."""
+    """Mean cross-entropy over answer tokens (mask on the predicted token), and two accuracies:
+    over all answer tokens, and over each answer's FIRST token only. The first is flattering under
+    teacher forcing (once a needle's first digits are given, the rest can be found by matching
+    them); the second is the one greedy decoding lives on (which line / how large a result)."""
     p = jax.tree.map(lambda a: a.astype(compute_dtype), params)
     logits = train_logits(p, cfg, tokens, remat)[:, :-1]
     targets, m = tokens[:, 1:], mask[:, 1:].astype(jnp.float32)
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    n = jnp.maximum(m.sum(), 1.0)
-    acc = ((jnp.argmax(logits, -1) == targets) * m).sum() / n
-    return (nll * m).sum() / n, acc
+    return (nll * m).sum() / jnp.maximum(m.sum(), 1.0), answer_accuracies(logits, tokens, mask)
+
+
+def answer_accuracies(logits, tokens, mask):
+    """(accuracy over all answer tokens, over each answer's first token) of next-token ``logits``
+    [B, T-1, V] for ``tokens`` / loss ``mask`` [B, T]. A first token is an answer token whose
+    input token is not one (the assistant header before it)."""
+    targets, m = tokens[:, 1:], mask[:, 1:].astype(jnp.float32)
+    right = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
+    first = m * (1.0 - mask[:, :-1].astype(jnp.float32))
+    return (right * m).sum() / jnp.maximum(m.sum(), 1.0), (right * first).sum() / jnp.maximum(first.sum(), 1.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -551,8 +562,8 @@ def make_train_state(params, lr: float, steps: int, warmup: int):
 def _step_fn(cfg: ModelConfig, cdtype, remat: bool):
     @partial(jax.jit, donate_argnums=(0,))
     def step_fn(state, tokens, mask):
-        (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, cfg, tokens, mask, cdtype, remat)
-        return state.apply_gradients(grads=grads), loss, acc
+        (loss, accs), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, cfg, tokens, mask, cdtype, remat)
+        return state.apply_gradients(grads=grads), loss, accs
 
     return step_fn
 
@@ -655,7 +666,7 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
         wait_s += time.perf_counter() - t0
         key = (bucket["T"], bucket["B"])
         t1 = time.perf_counter()
-        state, loss, acc = step_fn(state, jnp.asarray(toks), jnp.asarray(mask))
+        state, loss, (acc, first_acc) = step_fn(state, jnp.asarray(toks), jnp.asarray(mask))
         loss = float(loss)  # syncs
         dt = time.perf_counter() - t1
         if key in compiled:  # steps that compiled are not timed
@@ -667,7 +678,7 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
         if done % log_every == 0 or done == steps:
             tps = timed_tokens / timed_s if timed_s else float("nan")
             log(f"step {done}/{steps} {bucket['kind']}[{bucket['B']}x{bucket['T']}] loss {loss:.4f} "
-                f"answer-acc {float(acc):.3f} lr {float(schedule(step)):.2e} tok/s {tps:,.0f} "
+                f"answer-acc {float(acc):.3f} first-token-acc {float(first_acc):.3f} lr {float(schedule(step)):.2e} tok/s {tps:,.0f} "
                 f"(data wait {wait_s:.1f}s, wall {time.perf_counter() - t_log:.1f}s)")
         mngr.save(done, args=ocp.args.StandardSave(state))
     if mngr.latest_step() != end and end > start:
