@@ -1,22 +1,25 @@
 #!/usr/bin/env bash
-# Train (or resume) the ground-truth models on the GPU machine, dense and MoE side by side on one
-# GPU; each run stops after TRAIN_S seconds of training (checkpoint + export, even if short of its
-# steps), then its export comes back as one tarball in $OUT and held-out probes are evaluated.
-# Rerun on the same (still warm) machine with the same STEPS to continue from the checkpoints; a
+# Train (or resume) ground-truth models on the GPU machine, several runs side by side on one GPU
+# (a 7M-parameter model leaves most of an H200 idle: two runs side by side each kept ~90 % of
+# their solo speed in session 3). Each run stops after TRAIN_S seconds of training (checkpoint +
+# export, even if short of its steps); its export comes back as one tarball in $OUT, its log as
+# $OUT/NAME.log, and with PROBES > 0 held-out probes are evaluated on the GPU afterwards.
+# Rerun on the same (still warm) machine with the same specs to continue from the checkpoints; a
 # fresh machine starts over, so size TRAIN_S to the call and keep the exports that come back.
-#   bash scripts/device/train_groundtruth.sh DENSE_STEPS MOE_STEPS PROBES TRAIN_S CALL_LIMIT_S
-# PROBES 0 skips the evaluation. Extra train.py arguments: both runs $TRAIN_ARGS, one run
-# $DENSE_ARGS / $MOE_ARGS (e.g. MOE_ARGS="--init-from weights/moe" to continue from a committed
-# export on a fresh machine); logs go to $LOG_DIR (default $OUT), exports to $OUT.
+#   [PROBES=0] [TRAIN_ARGS=...] bash scripts/device/train_groundtruth.sh TRAIN_S CALL_LIMIT_S 'NAME=train.py args' ...
+# e.g.  bash scripts/device/train_groundtruth.sh 480 570 'dense=--steps 3000 --init-from weights/default --seed 1' \
+#         'moe=--steps 3000 --moe --init-from weights/moe --seed 1'
+# TRAIN_ARGS go to every run (e.g. "--batch-tokens 65536 --data-workers 3").
 set -u
-dense_steps=${1:-12000}; moe_steps=${2:-12000}; probes=${3:-40}; train_s=${4:-420}; limit=${5:-570}
+train_s=${1:?TRAIN_S}; limit=${2:?CALL_LIMIT_S}; shift 2
+probes=${PROBES:-0}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-log_dir=${LOG_DIR:-$OUT}
-mkdir -p runs "$OUT" "$log_dir"
-run() {  # name steps extra-args...
-  local name=$1 steps=$2; shift 2
-  timeout "$limit" python3 -m weights.groundtruth.train --out "runs/$name" --steps "$steps" --ckpt-every 200 \
-    --time-limit "$train_s" --probes 0 ${TRAIN_ARGS:-} "$@" >> "$log_dir/$name.log" 2>&1
+mkdir -p runs "$OUT"
+run() {  # name extra-args (one string, word-split)
+  local name=$1 extra=$2
+  # shellcheck disable=SC2086
+  timeout "$limit" python3 -m weights.groundtruth.train --out "runs/$name" --ckpt-every 200 \
+    --time-limit "$train_s" --probes 0 ${TRAIN_ARGS:-} $extra >> "$OUT/$name.log" 2>&1
   if [ -f "runs/$name/export/model.safetensors" ]; then
     tar czf "$OUT/$name-export.tgz" -C "runs/$name" export  # one file: $OUT returns a few files only
     [ "$probes" -gt 0 ] || return 0
@@ -24,10 +27,14 @@ run() {  # name steps extra-args...
 import json
 from weights.groundtruth.train import evaluate
 print(json.dumps({'eval': evaluate('runs/$name/export', $probes, mode='pieces')}), flush=True)
-" >> "$log_dir/$name.log" 2>&1
+" >> "$OUT/$name.log" 2>&1
   fi
 }
-run dense "$dense_steps" ${DENSE_ARGS:-} &
-run moe "$moe_steps" --moe ${MOE_ARGS:-} &
+for spec in "$@"; do
+  run "${spec%%=*}" "${spec#*=}" &
+done
 wait
-grep -h '"eval"\|"train"' "$log_dir"/*.log | cut -c1-600
+for spec in "$@"; do
+  n=${spec%%=*}
+  echo "== $n"; grep 'step .*/' "$OUT/$n.log" | tail -n 14 | cut -c1-200; grep -h '"eval"\|"train"\|Error' "$OUT/$n.log" | cut -c1-600
+done
