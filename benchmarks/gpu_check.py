@@ -8,12 +8,15 @@ with (a) a float64 NumPy evaluation of the same step on the host (the oracle, ME
 fp32 arithmetic far under 1e-3; outputs rounded to bf16 between 1e-3 and 1e-2; NaN never passes),
 (b) the pure-jnp references ``gdn_recurrent`` / ``kda_recurrent`` run on the GPU. Slots the batch
 does not name must come back bit-identical; the same call repeated must give bit-identical
-results (a moving result is a race). Exit status 1 if any case fails.
+results (a moving result is a race). Exit status 1 if any case fails. The ragged prefill suites
+(``chunked``, ``conv1d``) check every output and state against a float64 oracle on a subset of
+heads / channels and against the jnp reference on the GPU, and padding tokens must give zeros.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -326,6 +329,12 @@ def check_chunked(kind, ragged, dtype, mm_dtype, seed, interpret=False):
                finite=bool(np.isfinite(o).all() and np.isfinite(fin).all() and np.isfinite(snaps).all()),
                padding_zero=bool((o[n_real:] == 0).all()), deterministic=deterministic,
                first_call_s=round(first_call_s, 2))
+    return with_verdict(res, o_tol, state_tol)
+
+
+def with_verdict(res, o_tol, state_tol):
+    """``res`` of a ragged prefill check with ``ok``: finite, zero on padding, deterministic, and
+    outputs and states within tolerance of both the float64 oracle and the jnp reference."""
     res["ok"] = bool(res["finite"] and res["padding_zero"] and res["deterministic"]
                      and res["o_rel_err"] < o_tol and res["state_rel_err"] < state_tol
                      and res["o_rel_err_vs_jnp"] < o_tol and res["state_rel_err_vs_jnp"] < state_tol)
@@ -345,13 +354,118 @@ def chunked_checks(interpret=False):
         yield r
 
 
+# ------------------------------------------------------------------------------------------------
+# conv1d (pallas_kernels/conv1d.py): the GDN short conv, prefill over ragged sequences and the
+# decode update, at the Qwen3-Next conv dim (2 * 16 * 128 + 32 * 128 = 8192), K = 4.
+# ------------------------------------------------------------------------------------------------
+
+CONV_C, CONV_K = 8192, 4
+CONV_ORACLE_CHANNELS = 512  # channels checked against float64 (channels are independent)
+# (kind, tokens or batch, ragged, dtype): prefill single / ragged (short sequences, an empty one,
+# padding) at 8k and 64k tokens; the update at the engine's batches.
+CONV_CASES = [("prefill", 8192, False, jnp.bfloat16), ("prefill", 8192, True, jnp.bfloat16),
+              ("prefill", 65536, True, jnp.bfloat16), ("prefill", 8192, True, jnp.float32),
+              ("update", 64, False, jnp.bfloat16), ("update", 512, False, jnp.bfloat16),
+              ("update", 64, False, jnp.float32)]
+
+
+def conv1d_oracle64(x, w, b, cu, init, snap_seq, snap_len):
+    """The conv in float64 per sequence on the host: (y [T, C], finals [N, C, K-1], snaps [S, C, K-1])."""
+    x, w, b, init = (np.asarray(a, np.float64) for a in (x, w, b, init))
+    km1 = w.shape[1] - 1
+    y = np.zeros_like(x)
+    finals = np.zeros_like(init)
+    snaps = np.zeros((len(snap_seq), *init.shape[1:]))
+    for n in range(len(cu) - 1):
+        full = np.concatenate([init[n].T, x[cu[n]:cu[n + 1]]])  # [K-1 + L, C]: the virtual sequence
+        L = cu[n + 1] - cu[n]
+        pre = sum(w[:, j] * full[j:j + L] for j in range(km1 + 1)) + b
+        y[cu[n]:cu[n + 1]] = pre / (1 + np.exp(-pre))
+        finals[n] = full[L:L + km1].T
+        for s in np.flatnonzero(snap_seq == n):
+            snaps[s] = full[snap_len[s]:snap_len[s] + km1].T
+    return y, finals, snaps
+
+
+def conv1d_inputs(rng, kind, size, ragged, C):
+    normal = lambda *s: rng.standard_normal(size=s, dtype=np.float32)  # noqa: E731
+    if kind == "update":
+        lens = [1] * size
+    elif ragged:  # 12 sequences: one empty, three shorter than the window, 29 tokens of padding
+        cuts = np.sort(rng.choice(np.arange(1, size - 100), 7, replace=False))
+        lens = np.diff(np.concatenate([[0], cuts, [size - 29 - 6]])).tolist()
+        lens[3:3] = [0, 1, 2, 3]
+    else:
+        lens = [size]
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    T = size if kind == "prefill" else len(lens)
+    snap_seq = np.repeat(np.arange(len(lens)), 3)[:64].astype(np.int32)
+    snap_len = np.array([[0, L, rng.integers(0, L + 1)][i % 3] for i, L in enumerate(np.asarray(lens)[snap_seq])],
+                        np.int32)
+    return (normal(T, C), normal(C, CONV_K) * np.float32(0.5), normal(C), cu, normal(len(lens), C, CONV_K - 1),
+            snap_seq, snap_len)
+
+
+def check_conv1d(kind, size, ragged, dtype, seed, interpret=False):
+    from pallas_kernels import conv1d
+    from pallas_kernels.conv1d_reference import causal_conv1d_prefill, causal_conv1d_update
+
+    rng = np.random.default_rng(seed)
+    C = 256 if interpret else CONV_C
+    size = min(size, 200) if interpret else size
+    x, w, b, cu, init, snap_seq, snap_len = conv1d_inputs(rng, kind, size, ragged, C)
+    x = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))  # round once: every side sees the same x
+    xd, wd, bd, initd = jnp.asarray(x, dtype), jnp.asarray(w), jnp.asarray(b), jnp.asarray(init)
+    if kind == "prefill":
+        idx = dict(cu_seqlens=jnp.asarray(cu), initial_state=initd, snapshot_seq=jnp.asarray(snap_seq),
+                   snapshot_len=jnp.asarray(snap_len))
+        kernel = jax.jit(lambda x: conv1d.causal_conv1d_prefill_pallas(x, wd, bd, **idx, interpret=interpret))
+        reference = jax.jit(lambda x: causal_conv1d_prefill(x, wd, bd, **idx))
+    else:
+        snap_seq = snap_len = np.zeros(0, np.int32)
+        kernel = jax.jit(lambda x: (*conv1d.causal_conv1d_update_pallas(x, initd, wd, bd, interpret=interpret),
+                                    jnp.zeros((0, C, CONV_K - 1))))
+        reference = jax.jit(lambda x: (*causal_conv1d_update(x, initd, wd, bd), jnp.zeros((0, C, CONV_K - 1))))
+    t0 = time.perf_counter()
+    y, fin, snaps = (np.asarray(a.astype(jnp.float32)) for a in kernel(xd))
+    first_call_s = time.perf_counter() - t0
+    y2, fin2, snaps2 = (np.asarray(a.astype(jnp.float32)) for a in kernel(xd))
+    deterministic = bool(np.array_equal(y, y2) and np.array_equal(fin, fin2) and np.array_equal(snaps, snaps2))
+    y_j, fin_j, snaps_j = (np.asarray(a.astype(jnp.float32)) for a in reference(xd))
+    ch = np.sort(rng.choice(C, min(CONV_ORACLE_CHANNELS, C), replace=False))
+    y64, fin64, snaps64 = conv1d_oracle64(x[:, ch], w[ch], b[ch], cu, init[:, ch], snap_seq, snap_len)
+    n_real = int(cu[-1])
+    states, states_j = np.concatenate([fin, snaps]), np.concatenate([fin_j, snaps_j])
+    o_tol = O_TOL[dtype]
+    res = dict(kernel=f"conv1d_{kind}", variant="conv1d", B=len(cu) - 1, dtype=jnp.dtype(dtype).name, seed=seed,
+               T=int(x.shape[0]), ragged=ragged, snapshots=len(snap_seq), oracle_channels=len(ch),
+               o_rel_err=rel(y[:n_real, ch], y64[:n_real]),
+               state_rel_err=rel(np.concatenate([fin[:, ch], snaps[:, ch]]), np.concatenate([fin64, snaps64])),
+               o_rel_err_vs_jnp=rel(y[:n_real], y_j[:n_real]), state_rel_err_vs_jnp=rel(states, states_j),
+               finite=bool(np.isfinite(y).all() and np.isfinite(states).all()),
+               padding_zero=bool((y[n_real:] == 0).all()), deterministic=deterministic,
+               first_call_s=round(first_call_s, 2))
+    return with_verdict(res, o_tol, STATE_TOL)
+
+
+def conv1d_checks(interpret=False):
+    """Every CONV_CASES case, one record each; a case that raises is recorded as an error."""
+    for seed, (kind, size, ragged, dtype) in enumerate(CONV_CASES, 301):
+        try:
+            r = check_conv1d(kind, size, ragged, dtype, seed, interpret)
+        except Exception as e:  # keep going: one broken case must not hide the others
+            r = dict(kernel=f"conv1d_{kind}", variant="conv1d", B=-1, dtype=jnp.dtype(dtype).name, ok=False,
+                     ragged=ragged, error=f"{type(e).__name__}: {str(e)[:2000]}")
+        yield r
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--batches", default="1,64,256,512")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke run of this script (slow: use --batches 1)")
-    ap.add_argument("--suites", default="decode,paged_attention,chunked",
-                    help="decode (GDN/KDA), paged_attention, chunked (GDN/KDA prefill)")
+    ap.add_argument("--suites", default="decode,paged_attention,chunked,conv1d",
+                    help="decode (GDN/KDA), paged_attention, chunked (GDN/KDA prefill), conv1d (short conv)")
     args = ap.parse_args()
     suites = args.suites.split(",")
     print(jax.devices())
@@ -381,7 +495,8 @@ def main():
         print(json.dumps(r), flush=True)
         log.write(json.dumps(r) + "\n")
         log.flush()
-    for r in (chunked_checks(args.interpret) if "chunked" in suites else ()):
+    for r in itertools.chain(chunked_checks(args.interpret) if "chunked" in suites else (),
+                             conv1d_checks(args.interpret) if "conv1d" in suites else ()):
         results.append(r)
         print(json.dumps(r), flush=True)
         log.write(json.dumps(r) + "\n")

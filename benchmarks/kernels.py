@@ -4,8 +4,8 @@ vs the roofline, one JSON record per case.
     python benchmarks/kernels.py [--only decode] [--out DIR] [--quick]
     python benchmarks/kernels.py --table benchmarks/results/kernels-h200.json   # RESULTS.md table
 
-Kernel families register a ``Suite`` in ``SUITES`` (cases, a JAX runner, a peer runner): decode
-is here now; chunked prefill, conv1d and paged attention add theirs the same way.
+Kernel families register a ``Suite`` in ``SUITES`` (cases, a JAX runner, a peer runner): GDN/KDA
+decode, paged attention, chunked prefill and the causal conv1d.
 
 Method (the device tool's METHOD.md): inputs are random (never zeros), states live in a pool of
 at least 256 slots (>= 512 MiB, many times the 60 MB L2) and every step of a timed chain moves to
@@ -74,6 +74,8 @@ def case_key(case):
         return paged_case_key(m)
     if m.get("suite") == "chunked":
         return chunked_case_key(m)
+    if m.get("suite") == "conv1d":
+        return conv1d_case_key(m)
     return (f"{m['kind']}_decode", f"B={m['B']} Hk={m['Hk']} Hv={m['Hv']} dk={m['dk']} dv={m['dv']} ({m['model']})")
 
 
@@ -373,7 +375,8 @@ def fla_worker(cases_json):
     cases = json.loads(cases_json)
     for case in cases:
         try:
-            res = run_chunked_fla(case) if case.get("suite") == "chunked" else run_decode_fla(case)
+            run = {"chunked": run_chunked_fla, "conv1d": run_conv1d_fla}.get(case.get("suite"), run_decode_fla)
+            res = run(case)
         except Exception as e:  # noqa: BLE001  (a CUDA fault usually kills the process instead)
             res = dict(error=f"{type(e).__name__}: {str(e)[:600]}")
         print("RESULT " + json.dumps(dict(case=case, res=res)), flush=True)
@@ -763,13 +766,20 @@ def chunked_layout(case):
     rng = np.random.default_rng(T + case["ragged"])
     if case["ragged"]:
         n = CHUNKED_RAGGED_SEQS[T]
-        cuts = np.sort(rng.choice(np.arange(1, T), n - 1, replace=False))
-        lens = np.diff(np.concatenate([[0], cuts, [T]]))
+        lens = random_lens(rng, T, n)
         start = rng.integers(0, 4096, n)
     else:
         lens, start = np.array([T]), np.array([0])
     snap = np.maximum((start + lens) // 64 * 64 - start, 0)  # last x64 boundary (0: the initial state)
     return lens.astype(np.int32), start.astype(np.int32), snap.astype(np.int32)
+
+
+def random_lens(rng, T, n):
+    """``n`` sequence lengths (>= 1) summing to ``T``, cut at random points."""
+    import numpy as np
+
+    cuts = np.sort(rng.choice(np.arange(1, T), n - 1, replace=False))
+    return np.diff(np.concatenate([[0], cuts, [T]]))
 
 
 def chunked_bytes(case):
@@ -915,6 +925,169 @@ def run_chunked_fla(case):
     return res
 
 
+# ------------------------------------------------------------------------------------------------
+# Causal conv1d (pallas_kernels/conv1d.py): the short conv in front of GDN
+# ------------------------------------------------------------------------------------------------
+
+# Qwen3-Next / Qwen3.5 GDN layers: conv dim 2 * Hk * dk + Hv * dv = 2 * 16 * 128 + 32 * 128 = 8192,
+# K = 4, bf16 activations, fp32 states. Prefill: one sequence or CONV_RAGGED_SEQS[T] random ones,
+# each from a random initial state, its final state and one snapshot (its last x64 boundary)
+# asked for. Update: B rows of one token, each from its own state; a chain cycles through enough
+# state buffers (CONV_STATE_BYTES) that no step reads a state from L2. Roofline: the bytes a call
+# must move (x read, y written, states read and written) over the measured copy bandwidth.
+# Peer: fla's Triton causal_conv1d / causal_conv1d_update (fla.modules.convolution) in the child
+# process; its states keep K columns (ours K-1: theirs = ours with a zero column in front).
+CONV_MODEL = dict(model="Qwen3-Next", C=8192, K=4)
+CONV_TOKENS = (8192, 65536)
+CONV_RAGGED_SEQS = {8192: 8, 65536: 16}
+CONV_BATCHES = (64, 256, 512)
+CONV_STATE_BYTES = 256 << 20
+if os.environ.get("KERNELS_SMOKE"):
+    CONV_MODEL = dict(CONV_MODEL, C=256)
+    CONV_TOKENS, CONV_RAGGED_SEQS, CONV_BATCHES, CONV_STATE_BYTES = (256,), {256: 3}, (1, 3), 1 << 16
+CHECKED_AS["conv1d"] = "conv1d"  # gpu_check rows with variant "conv1d"
+
+
+def conv1d_cases(quick=False):
+    tokens = CONV_TOKENS[:1] if quick else CONV_TOKENS
+    batches = CONV_BATCHES[:2] if quick else CONV_BATCHES
+    return ([dict(suite="conv1d", kind="conv_prefill", tokens=T, ragged=ragged, **CONV_MODEL)
+             for T in tokens for ragged in (False, True)]
+            + [dict(suite="conv1d", kind="conv_update", B=B, **CONV_MODEL) for B in batches])
+
+
+def conv1d_case_key(m):
+    if m["kind"] == "conv_update":
+        return "conv1d_update", f"B={m['B']} C={m['C']} K={m['K']} ({m['model']})"
+    seqs = f"{CONV_RAGGED_SEQS[m['tokens']]} seqs ragged" if m["ragged"] else "1 seq"
+    return "conv1d_prefill", f"T={m['tokens']} {seqs} C={m['C']} K={m['K']} ({m['model']})"
+
+
+def conv1d_lens(case):
+    """Sequence lengths of a prefill case (fixed per case) and each one's last x64 boundary."""
+    import numpy as np
+
+    T = case["tokens"]
+    lens = random_lens(np.random.default_rng(T + case["ragged"]), T, CONV_RAGGED_SEQS[T] if case["ragged"] else 1)
+    return lens, lens // 64 * 64
+
+
+def conv1d_bytes(case):
+    """x read and y written (bf16), and per sequence the fp32 state read and written (prefill:
+    the final state and one snapshot)."""
+    C, km1 = case["C"], case["K"] - 1
+    if case["kind"] == "conv_update":
+        return case["B"] * C * (2 * 2 + km1 * 4 * 2)
+    return case["tokens"] * C * 2 * 2 + len(conv1d_lens(case)[0]) * C * km1 * 4 * 3
+
+
+def conv1d_inputs_np(case, seed=0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    rows = case["tokens"] if case["kind"] == "conv_prefill" else case["B"]
+    f32 = lambda *s: rng.standard_normal(size=s, dtype=np.float32)  # noqa: E731
+    return dict(x=f32(rows, case["C"]), weight=f32(case["C"], case["K"]) * np.float32(0.5), bias=f32(case["C"]))
+
+
+def conv1d_chain_layout(case):
+    """(steps, state buffers) of a timed chain: prefill threads its final states through ``steps``
+    calls; an update chain cycles through enough buffers that every step reads states not in L2."""
+    if os.environ.get("KERNELS_SMOKE"):
+        return 2, 2
+    if case["kind"] == "conv_prefill":
+        return (4 if case["tokens"] <= 16384 else 1), 1
+    per = case["B"] * case["C"] * (case["K"] - 1) * 4
+    bufs = max(2, -(-CONV_STATE_BYTES // per))
+    return max(bufs, 8), bufs
+
+
+def run_conv1d_jax(case, allowed=None):
+    """Ours and the jnp reference under XLA: a jitted chain of ``steps`` calls, states donated."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels import conv1d
+    from pallas_kernels.conv1d_reference import causal_conv1d_prefill, causal_conv1d_update
+
+    steps, bufs = conv1d_chain_layout(case)
+    x = conv1d_inputs_np(case)
+    xd = dict(x=jnp.asarray(x["x"], jnp.bfloat16), weight=jnp.asarray(x["weight"]), bias=jnp.asarray(x["bias"]))
+    interpret = bool(os.environ.get("KERNELS_SMOKE"))
+    C, km1 = case["C"], case["K"] - 1
+    if case["kind"] == "conv_prefill":
+        lens, snap = conv1d_lens(case)
+        idx = dict(cu_seqlens=jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32),
+                   snapshot_seq=jnp.arange(len(lens), dtype=jnp.int32), snapshot_len=jnp.asarray(snap, jnp.int32))
+        ours = lambda x, s: conv1d.causal_conv1d_prefill_pallas(**x, **idx, initial_state=s, interpret=interpret)  # noqa: E731
+        ref = lambda x, s: causal_conv1d_prefill(**x, **idx, initial_state=s)  # noqa: E731
+        rows = len(lens)
+    else:
+        ours = lambda x, s: conv1d.causal_conv1d_update_pallas(x["x"], s, x["weight"], x["bias"], interpret=interpret)  # noqa: E731
+        ref = lambda x, s: causal_conv1d_update(x["x"], s, x["weight"], x["bias"])  # noqa: E731
+        rows = case["B"]
+    fns = {"jnp": ref}
+    if allowed is None or "conv1d" in allowed:
+        fns = {"ours_conv1d": ours, **fns}
+    out = {} if "ours_conv1d" in fns else {"ours_conv1d": dict(error="not run: failed or missing in gpu_check")}
+
+    def make_chain(call):
+        call = jax.jit(call)
+
+        def chain(states, x):
+            states, outs = list(states), []
+            for i in range(steps):
+                y, states[i % bufs], *snaps = call(x, states[i % bufs])
+                outs.append((y, snaps))
+            return tuple(states), outs
+        return jax.jit(chain, donate_argnums=(0,))
+
+    for name, call in fns.items():
+        states = tuple(jax.random.normal(jax.random.key(i), (rows, C, km1), jnp.float32) for i in range(bufs))
+        try:
+            _, res = time_jax_chain(make_chain(call), states, (xd,), steps)
+        except Exception as e:  # noqa: BLE001
+            res = dict(error=f"{type(e).__name__}: {str(e)[:600]}")
+        res.update(steps=steps, state_buffers=bufs)
+        out[name] = res
+        print(f"  {name:14} {json.dumps(res)}", flush=True)
+    return out
+
+
+def run_conv1d_fla(case):
+    """fla's Triton causal_conv1d (prefill, cu_seqlens, one initial state per sequence) or
+    causal_conv1d_update (decode, its cache updated in place) on the case's inputs, in a CUDA graph."""
+    import numpy as np
+    import torch
+    from fla.modules.convolution import causal_conv1d, causal_conv1d_update
+
+    steps, bufs = conv1d_chain_layout(case)
+    x = conv1d_inputs_np(case)
+    dev = "cuda"
+    xt = torch.from_numpy(x["x"]).to(dev, torch.bfloat16)
+    w, b = torch.from_numpy(x["weight"]).to(dev), torch.from_numpy(x["bias"]).to(dev)
+    C, K = case["C"], case["K"]
+    if case["kind"] == "conv_prefill":
+        lens, _ = conv1d_lens(case)
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), device=dev, dtype=torch.long)
+        state = torch.randn(len(lens), C, K, device=dev, dtype=torch.float32)
+
+        def call(i):
+            return causal_conv1d(xt.unsqueeze(0), weight=w, bias=b, initial_state=state, output_final_state=True,
+                                 activation="silu", cu_seqlens=cu)
+        peer = "fla causal_conv1d (Triton)"
+    else:
+        caches = [torch.randn(case["B"], C, K, device=dev, dtype=torch.bfloat16) for _ in range(bufs)]
+
+        def call(i):
+            return causal_conv1d_update(xt.unsqueeze(1), caches[i % bufs], weight=w, bias=b, activation="silu")
+        peer = "fla causal_conv1d_update"
+    res = time_torch_graph(call, steps)
+    res["peer"] = peer
+    return res
+
+
 @dataclasses.dataclass
 class Suite:
     cases: Callable[[bool], list]
@@ -930,7 +1103,8 @@ class Suite:
 SUITES = {"decode": Suite(decode_cases, run_decode_jax, decode_state_bytes),
           "paged_attention": Suite(paged_cases, run_paged_jax, paged_bytes, has_peer=False, in_process_peer=True,
                                    flops=paged_flops),
-          "chunked": Suite(chunked_cases, run_chunked_jax, chunked_bytes)}
+          "chunked": Suite(chunked_cases, run_chunked_jax, chunked_bytes),
+          "conv1d": Suite(conv1d_cases, run_conv1d_jax, conv1d_bytes)}
 
 
 def make_record(case, jax_res, peer_res, bandwidth_tbps, suite, matmul_tflops=None):

@@ -34,7 +34,7 @@ def _activation(name):
     return ACTIVATIONS[name]
 
 
-def _history(x, initial_state, cu_seqlens, seq, length):
+def history(x, initial_state, cu_seqlens, seq, length):
     """The ``K-1`` inputs preceding local position ``length`` of ``seq``: ``[Q, C, K-1]``.
 
     Reads the virtual sequence ``initial_state[seq] ++ x[seq's tokens]``: entry ``m`` is its element
@@ -49,6 +49,17 @@ def _history(x, initial_state, cu_seqlens, seq, length):
     return jnp.swapaxes(jnp.where((e >= km1)[..., None], from_x, from_state), 1, 2)
 
 
+def check_args(x, weight, cu_seqlens, initial_state):
+    """The shape contract of ``causal_conv1d_prefill`` (and of its kernel): ValueError if broken."""
+    C = x.shape[-1]
+    K = weight.shape[-1]
+    num_seqs = cu_seqlens.shape[0] - 1
+    if x.ndim != 2 or weight.shape != (C, K) or K < 2:
+        raise ValueError(f"x {x.shape} / weight {weight.shape} must be [T, C] / [C={C}, K>=2]")
+    if initial_state is not None and initial_state.shape != (num_seqs, C, K - 1):
+        raise ValueError(f"initial_state {initial_state.shape} != {(num_seqs, C, K - 1)}")
+
+
 def _conv(window, weight, bias, activation):
     """``window [B, C, K]`` (oldest first) · ``weight [C, K]`` + bias, activated; fp32."""
     y = jnp.sum(window * weight, axis=-1)
@@ -61,10 +72,10 @@ def _prefill(x, weight, bias, cu_seqlens, initial_state, snapshot_seq, snapshot_
     one gather each, no scan (the conv has no recurrence beyond its K-1 inputs)."""
     num_seqs = cu_seqlens.shape[0] - 1
     seq, local = token_segments(cu_seqlens, x.shape[0])
-    window = jnp.concatenate([_history(x, initial_state, cu_seqlens, seq, local), x[:, :, None]], axis=-1)
+    window = jnp.concatenate([history(x, initial_state, cu_seqlens, seq, local), x[:, :, None]], axis=-1)
     y = jnp.where((seq < num_seqs)[:, None], _conv(window, weight, bias, activation), 0.0)
-    final = _history(x, initial_state, cu_seqlens, jnp.arange(num_seqs), jnp.diff(cu_seqlens))
-    snaps = _history(x, initial_state, cu_seqlens, snapshot_seq, snapshot_len)
+    final = history(x, initial_state, cu_seqlens, jnp.arange(num_seqs), jnp.diff(cu_seqlens))
+    snaps = history(x, initial_state, cu_seqlens, snapshot_seq, snapshot_len)
     return y, final, snaps
 
 
@@ -79,13 +90,9 @@ def causal_conv1d_prefill(x, weight, bias=None, *, cu_seqlens, initial_state=Non
     (``0 <= len <= seq_len``; out-of-range requests are clamped, not checked). Padding tokens
     (index ``>= cu_seqlens[-1]``) give ``y = 0``. ``activation`` ("silu" or None) is static.
     """
-    T, C = x.shape
-    K = weight.shape[-1]
+    check_args(x, weight, cu_seqlens, initial_state)
+    C, K = weight.shape
     num_seqs = cu_seqlens.shape[0] - 1
-    if weight.shape != (C, K) or K < 2:
-        raise ValueError(f"weight {weight.shape} must be [C={C}, K>=2]")
-    if initial_state is not None and initial_state.shape != (num_seqs, C, K - 1):
-        raise ValueError(f"initial_state {initial_state.shape} != {(num_seqs, C, K - 1)}")
     f32 = partial(jnp.asarray, dtype=jnp.float32)
     init = jnp.zeros((num_seqs, C, K - 1), jnp.float32) if initial_state is None else f32(initial_state)
     snap_seq, snap_len = (jnp.zeros((0,), jnp.int32),) * 2 if snapshot_seq is None else (snapshot_seq, snapshot_len)

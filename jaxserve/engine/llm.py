@@ -26,7 +26,7 @@ from jaxserve.engine.runner import Buckets, DeviceExecutor
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.generate import SamplingParams
 from jaxserve.models import backends
-from jaxserve.models.gated_deltanet import use_decode_kernel, use_prefill_kernel
+from jaxserve.models.gated_deltanet import use_conv_kernel, use_decode_kernel, use_prefill_kernel
 from jaxserve.models.layers import use_attention_kernel
 from jaxserve.tokenizer import Tokenizer
 
@@ -66,6 +66,7 @@ def build_engine(args: EngineArgs) -> Engine:
     if cfg.is_hybrid:
         use_decode_kernel(cfg, dtype)
         use_prefill_kernel(cfg)
+        use_conv_kernel(cfg)
     if any(t != LINEAR_ATTENTION for t in cfg.layer_types):
         use_attention_kernel(cfg, dtype, args.page_size)
     max_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)

@@ -14,7 +14,8 @@
 ``AUTO_ON_GPU`` lists a kernel only once its current version has passed ``benchmarks/gpu_check.py``
 on the H200 and run the engine hammer with hit == cold (``scripts/device/verify_kernels.sh``;
 results in ``benchmarks/RESULTS.md``), so the default serving path is always one that was
-checked on the device. Kernel names: ``gdn_decode``, ``gdn_prefill``, ``paged_attention``.
+checked on the device. Kernel names: ``gdn_decode``, ``gdn_prefill``, ``paged_attention``,
+``conv1d`` (the GDN short conv, prefill and decode; explicit only until it passes the GPU check).
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ import jax
 
 from jaxserve.config import ModelConfig
 
-KERNELS = ("gdn_decode", "gdn_prefill", "paged_attention")
-# All three (2026-12-02, session 3): gpu_check 26/26 on the H200, the engine hammer with the GDN
-# kernels in fp32 (hit == cold) and with every kernel in bf16; speeds in benchmarks/RESULTS.md.
-AUTO_ON_GPU: frozenset[str] = frozenset(KERNELS)
+KERNELS = ("gdn_decode", "gdn_prefill", "paged_attention", "conv1d")
+# 2026-12-02, session 3: gpu_check 26/26 on the H200, the engine hammer with the GDN kernels in
+# fp32 (hit == cold) and with every kernel in bf16; speeds in benchmarks/RESULTS.md. conv1d
+# (2026-12-03) is interpret-tested only: it joins once gpu_check passes and it beats XLA.
+AUTO_ON_GPU: frozenset[str] = frozenset({"gdn_decode", "gdn_prefill", "paged_attention"})
 CHOICES = ("auto", "jnp", "pallas", "pallas-interpret")
 
 

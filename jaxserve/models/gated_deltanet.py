@@ -11,7 +11,9 @@ State lives in a slot pool shared by all GDN layers (``layers.Ragged`` says how 
 positions (so a prompt prefilled in pieces computes exactly the chunks one prefill would); a
 decode batch (every row exactly one token) uses the one-step recurrent form — on a GPU the fused
 Mosaic GPU kernel (``pallas_kernels.gdn_decode``), which reads and writes the pool in place
-(``_decode_in_pool``; ``cfg.kernels`` chooses), elsewhere jnp.
+(``_decode_in_pool``; ``cfg.kernels`` chooses), elsewhere jnp. The short conv runs on the Mosaic
+GPU conv1d kernels (``pallas_kernels.conv1d``, prefill and decode) only when ``cfg.kernels``
+names them (``use_conv_kernel``): they are not under ``auto`` until checked on the GPU.
 
 Invariant 1 lives here: the layer itself writes every snapshot the step asks for, conv AND
 recurrent state, in the same scatter as the rows' final states; no caller can forget a layer.
@@ -27,7 +29,7 @@ import jax.numpy as jnp
 from jaxserve.config import ModelConfig
 from jaxserve.models import backends
 from jaxserve.models.layers import Ragged, gated_rms_norm, linear
-from pallas_kernels import gdn_chunked, gdn_decode, gdn_reference
+from pallas_kernels import conv1d, gdn_chunked, gdn_decode, gdn_reference
 from pallas_kernels.conv1d_reference import causal_conv1d_prefill, causal_conv1d_update
 from pallas_kernels.gdn_reference import gdn_recurrent
 
@@ -58,13 +60,23 @@ def _decode_snapshots(init, final, r: Ragged):
     return jnp.where(after, final[seq], init[seq])
 
 
-def _short_conv(mixed, weight, init, r: Ragged, decode: bool):
+def _short_conv(cfg: ModelConfig, mixed, weight, init, r: Ragged, decode: bool):
     """Conv backend: mixed [T, C] -> (y [T, C], final [B, C, K-1], snapshots [S, C, K-1])."""
+    update, prefill = causal_conv1d_update, causal_conv1d_prefill
+    if use_conv_kernel(cfg):
+        update = functools.partial(conv1d.causal_conv1d_update_pallas, interpret=backends.interpret(cfg))
+        prefill = functools.partial(conv1d.causal_conv1d_prefill_pallas, interpret=backends.interpret(cfg))
     if decode:
-        y, final = causal_conv1d_update(mixed, init, weight)
+        y, final = update(mixed, init, weight)
         return y, final, _decode_snapshots(init, final, r)
-    return causal_conv1d_prefill(mixed, weight, cu_seqlens=r.cu_seqlens, initial_state=init,
-                                 snapshot_seq=r.snap_seq, snapshot_len=r.snap_len)
+    return prefill(mixed, weight, cu_seqlens=r.cu_seqlens, initial_state=init,
+                   snapshot_seq=r.snap_seq, snapshot_len=r.snap_len)
+
+
+def use_conv_kernel(cfg: ModelConfig) -> bool:
+    """Static: the short conv (prefill and decode) on Mosaic GPU (``backends``; not yet under auto)."""
+    C, K = cfg.linear_conv_dim, cfg.linear_conv_kernel
+    return backends.use_kernel(cfg, "conv1d", conv1d.supports(C, K), f"conv_dim={C}, kernel={K}")
 
 
 def _one_token_rule(q, k, v, g, beta, state):
@@ -168,7 +180,7 @@ def gated_deltanet(p: dict, cfg: ModelConfig, x: jax.Array, r: Ragged, conv_pool
     """x [T, H] ragged (see ``Ragged``); ``layer`` indexes this layer in the slot pools; ``decode``
     (static) means every row has exactly one token, in row order. Returns (y, conv_pool, rec_pool)."""
     mixed, z, beta, g = project(p, cfg, x)
-    mixed, conv_final, conv_snaps = _short_conv(mixed, p["conv_w"], _initial(conv_pool, layer, r), r, decode)
+    mixed, conv_final, conv_snaps = _short_conv(cfg, mixed, p["conv_w"], _initial(conv_pool, layer, r), r, decode)
     q, k, v = split_qkv(cfg, mixed)
     if decode and use_decode_kernel(cfg, q.dtype):
         o, rec_pool = _decode_in_pool(cfg, q, k, v, g, beta, rec_pool, layer, r)

@@ -31,8 +31,8 @@ from weights.random_checkpoint import write_random_checkpoint
 MODELS = [("qwen3_5", "dense"), ("qwen3_next", "moe"), ("qwen3", "base"), ("kernel", "gdn_decode")]
 # ("kernel", ...): a random qwen3_5 whose shapes fit the Mosaic GPU kernels' tiling (GDN dk = dv =
 # 64; attention head dim 64), run with cfg.kernels="pallas-interpret": the GDN chunked prefill
-# kernel on prefill steps, the GDN decode kernel on decode steps and the paged attention kernel on
-# every step, in GPU interpret mode, through the
+# kernel on prefill steps, the GDN decode kernel on decode steps, the conv1d kernels (prefill and
+# update) and the paged attention kernel on every step, in GPU interpret mode, through the
 # same schedule (decode snapshots, a decode-path restore, fresh one-token rows, chunked prefill
 # continuing cached pages) against the jnp dense forward.
 KERNEL_CONFIG = {

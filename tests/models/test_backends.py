@@ -64,6 +64,24 @@ def test_auto_on_a_gpu_takes_verified_kernels_unless_less_precise(monkeypatch):
         assert gated_deltanet.use_prefill_kernel(dataclasses.replace(gdn, kernels="gdn_prefill"))
 
 
+def test_conv1d_is_explicit_only_until_checked_on_the_gpu(monkeypatch):
+    """conv1d has not passed gpu_check yet: ``auto`` never picks it, naming it (or ``pallas``) does."""
+    import jax
+
+    from jaxserve.models import gated_deltanet
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert "conv1d" in backends.KERNELS and "conv1d" not in backends.AUTO_ON_GPU
+    assert backends.AUTO_ON_GPU == {"gdn_decode", "gdn_prefill", "paged_attention"}
+    cfg = dataclasses.replace(_cfg("auto"), linear_key_head_dim=64, linear_value_head_dim=64)
+    assert cfg.linear_conv_dim % 128 == 0 and not gated_deltanet.use_conv_kernel(cfg)
+    assert gated_deltanet.use_conv_kernel(dataclasses.replace(cfg, kernels="conv1d"))
+    assert gated_deltanet.use_conv_kernel(dataclasses.replace(cfg, kernels="pallas"))
+    odd = dataclasses.replace(cfg, kernels="conv1d", linear_key_head_dim=24)
+    with pytest.raises(ValueError, match="the conv1d kernel does not take conv_dim="):
+        gated_deltanet.use_conv_kernel(odd)
+
+
 def test_auto_paged_attention_only_at_contract_head_dims(monkeypatch):
     import jax
     import jax.numpy as jnp
