@@ -41,7 +41,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-DATE = "2026-12-02"
+DATE = datetime.date.today().isoformat()  # the day the run measured (the device clock)
 REPEATS = 10
 MIN_POOL_SLOTS = 256
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "kernels-h200.json")

@@ -177,10 +177,16 @@ def test_encode_mask_covers_exactly_assistant_answers(tok):
 
 
 def test_tokenizer_specials_template_and_round_trip(tok, tmp_path):
-    v = tok.vocab_size
-    assert v == gt_tokenizer.DEFAULT_VOCAB
+    base = gt_tokenizer.BASE_VOCAB
     for i, s in enumerate(gt_tokenizer.SPECIAL_TOKENS):
-        assert tok.token_to_id(s) == v - 3 + i and tok.encode(s) == [v - 3 + i]
+        assert tok.token_to_id(s) == base - 3 + i and tok.encode(s) == [base - 3 + i]
+    # every needle NAME is one token, wherever it stands (most are appended after the specials)
+    ids = set()
+    for name in tasks.NAME_POOL:
+        (only,) = tok.encode(" " + name)
+        assert tok.encode(f"for {name}?")[-2] == only
+        ids.add(only)
+    assert len(ids) == len(tasks.NAME_POOL) and max(ids) == tok.vocab_size - 1
     assert tok.eos_token_ids == {tok.token_to_id("<|im_end|>")}
     msgs = [{"role": "user", "content": "What is 1 + 2?"}, {"role": "assistant", "content": "3"}]
     assert tok.apply_chat_template(msgs[:1]) == (
@@ -205,11 +211,21 @@ def test_tokenizer_specials_template_and_round_trip(tok, tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
+def _extended_shipped_vocab() -> int:
+    """The vocab of the shipped default's tokenizer after ``--extend-vocab``."""
+    from tokenizers import Tokenizer as RawTokenizer
+
+    raw = RawTokenizer.from_file(str(Path(__file__).parents[2] / "weights" / "default" / "tokenizer.json"))
+    return gt_tokenizer.with_single_token_names(raw).get_vocab_size()
+
+
 @pytest.mark.parametrize("moe", [False, True])
-def test_full_size_models_fit_budget(moe):
-    cfg = ModelConfig.from_hf(train.model_config(gt_tokenizer.DEFAULT_VOCAB, moe_variant=moe, smoke=False))
-    n = sum(int(np.prod(s)) for s in hf_shapes(cfg).values())
-    assert 2 * n <= train.MAX_EXPORT_BYTES, n
+def test_full_size_models_fit_budget(moe, tok):
+    """Fresh (this tokenizer) or continued from the shipped export with its vocab extended."""
+    for vocab in (tok.vocab_size, _extended_shipped_vocab()):
+        cfg = ModelConfig.from_hf(train.model_config(vocab, moe_variant=moe, smoke=False))
+        n = sum(int(np.prod(s)) for s in hf_shapes(cfg).values())
+        assert 2 * n <= train.MAX_EXPORT_BYTES, (vocab, n)
     assert cfg.layer_types.count("linear_attention") == 3 * cfg.layer_types.count("full_attention")
 
 
@@ -320,7 +336,10 @@ def test_init_from_an_export_starts_where_that_run_ended(smoke_runs, tmp_path):
     # since it was trained): plant a different one and check the continued run takes it.
     planted = tmp_path / "planted"
     shutil.copytree(full["export"], planted)
-    other = gt_tokenizer.save(tmp_path / "other_tok", train.gt_tokenizer.DEFAULT_VOCAB, seed=12345)
+    # (same ids, other bytes: a tokenizer trained on another corpus has another size)
+    other = tmp_path / "other_tok"
+    other.mkdir()
+    (other / "tokenizer.json").write_text(json.dumps(json.loads((planted / "tokenizer.json").read_text()), indent=1))
     assert (other / "tokenizer.json").read_bytes() != (planted / "tokenizer.json").read_bytes()
     shutil.copyfile(other / "tokenizer.json", planted / "tokenizer.json")
     start = train.train(tmp_path / "start", 16, init_from=planted, stop_at=0, **kw)
@@ -331,6 +350,36 @@ def test_init_from_an_export_starts_where_that_run_ended(smoke_runs, tmp_path):
     assert cont["first_loss"] < full["first_loss"] - 1.0, (cont, full)
     with pytest.raises(ValueError, match="config differs"):
         train.train(tmp_path / "moe", 2, moe_variant=True, init_from=full["export"], **kw)
+
+
+def test_extend_vocab_keeps_every_id_and_adds_one_token_per_name(tmp_path):
+    """--init-from EXPORT --extend-vocab on an export whose tokenizer splits names (the session-3
+    models): ids and embedding rows kept, each name one new token whose row starts as the mean of
+    its old pieces' rows. A fresh run has the name tokens already: extending it is refused."""
+    kw = dict(smoke=True, kinds=("arithmetic",), batch_tokens=1024, log_every=100, log=lambda *_: None)
+    base_dir = tmp_path / "base_tok"
+    gt_tokenizer.save(base_dir, tokenizer=gt_tokenizer.build_base())
+    old_tok = Tokenizer.from_dir(base_dir)
+    config = train.model_config(old_tok.vocab_size, moe_variant=False, smoke=True)
+    cfg = ModelConfig.from_hf(config)
+    params = build_params(cfg, train.init_tensors(cfg, 3), lambda x: jnp.asarray(x, jnp.float32))
+    old_export = train.export(params, config, tmp_path / "old", base_dir)
+    run = train.train(tmp_path / "ext", 4, init_from=old_export, extend_vocab=True, stop_at=0, **kw)
+    new_tok = Tokenizer.from_dir(tmp_path / "ext" / "export")
+    old_embed = np.asarray(load_model(old_export, dtype="float32", progress=False).params["embed"])
+    embed = np.asarray(run["final_params"]["embed"])
+    assert embed.shape[0] == new_tok.vocab_size > old_tok.vocab_size
+    np.testing.assert_array_equal(embed[: old_tok.vocab_size], old_embed)
+    rng = random.Random(5)
+    for kind in tasks.KINDS:  # text without names tokenises as before
+        for m in tasks.example(kind, rng, (30, 60)):
+            if kind != "needle":
+                assert new_tok.encode(m["content"]) == old_tok.encode(m["content"])
+    name = tasks.NAME_POOL[17]
+    (nid,) = new_tok.encode(" " + name)
+    np.testing.assert_allclose(embed[nid], old_embed[old_tok.encode(" " + name)].mean(0), rtol=1e-6)
+    with pytest.raises(ValueError, match="extend_vocab"):
+        train.train(tmp_path / "refused", 2, extend_vocab=True, **kw)
 
 
 def test_smoke_export_is_exact_and_transformers_shaped(smoke_runs, oracle_dir):

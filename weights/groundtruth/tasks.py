@@ -57,11 +57,35 @@ SMALL_TALK: list[tuple[str, str]] = [
 ]
 
 
-def name(rng: random.Random) -> str:
-    """A capitalised pseudo-word of 2-3 syllables (a large namespace: probes meet names that
-    training never saw)."""
+def _pseudo_word(rng: random.Random) -> str:
+    """A capitalised pseudo-word of 2-3 syllables."""
     syll = [rng.choice(_ONSETS) + rng.choice(_VOWELS) for _ in range(rng.randint(2, 3))]
     return ("".join(syll) + rng.choice(_CODAS)).capitalize()
+
+
+def _name_pool(size: int, seed: int) -> tuple[str, ...]:
+    rng, seen, pool = random.Random(seed), set(), []
+    while len(pool) < size:
+        w = _pseudo_word(rng)
+        if w not in seen:
+            seen.add(w)
+            pool.append(w)
+    return tuple(pool)
+
+
+# Needle NAMEs come from a fixed pool of capitalised pseudo-words, large enough for the longest
+# context (a 4k-token context holds ~300 lines, names distinct) and small enough that the
+# tokenizer gives every name ONE token (``tokenizer.build``): retrieval then matches one key
+# token instead of 2-5 BPE pieces. Models trained on open-vocabulary names (session 3 and
+# before) learnt copying but not name-to-line selection in ~4k steps. Probes draw from the same
+# pool; the held-out part of a probe is its (context, names, codes, target) combination.
+NAME_POOL_SIZE = 1024
+NAME_POOL: tuple[str, ...] = _name_pool(NAME_POOL_SIZE, seed=20261203)
+
+
+def name(rng: random.Random) -> str:
+    """A needle NAME: one of ``NAME_POOL``."""
+    return NAME_POOL[rng.randrange(len(NAME_POOL))]
 
 
 def _operand(rng: random.Random, mixed_digits: bool) -> int:

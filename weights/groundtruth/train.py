@@ -575,21 +575,40 @@ def _checkpointer(path: Path, every: int):
     return ocp.CheckpointManager(path.resolve(), options=opts)
 
 
-def _export_tensors(folder: str | Path, cfg: ModelConfig, config: dict) -> dict[str, np.ndarray]:
-    """HF-named fp32 tensors of an earlier export of this very model (``--init-from``)."""
+def _export_tensors(folder: str | Path, cfg: ModelConfig, config: dict, tok=None) -> dict[str, np.ndarray]:
+    """HF-named fp32 tensors of an earlier export of this very model (``--init-from``). With ``tok``
+    (``--extend-vocab``: the export's tokenizer plus appended tokens, ``config``'s vocab larger than
+    the export's), the embedding rows of the appended tokens start as the mean of the rows of the
+    pieces the export's tokenizer splits them into; every other tensor and row is the export's."""
     from weights.loader import load_tensors
 
     with open(Path(folder) / "config.json") as f:
         theirs = json.load(f)
-    differ = sorted(k for k in config if k not in ("torch_dtype", "dtype") and theirs.get(k) != config[k])
+    differ = sorted(k for k in config if k not in ("torch_dtype", "dtype", "vocab_size" if tok else "")
+                    and theirs.get(k) != config[k])
     if differ:
         raise ValueError(f"--init-from {folder}: its config differs from this model's in {differ}")
-    return load_tensors(folder, hf_shapes(cfg), "float32", tie_word_embeddings=cfg.tie_word_embeddings)
+    old_v = theirs["vocab_size"]
+    if old_v != config["vocab_size"] and tok is None:
+        raise ValueError(f"--init-from {folder}: vocab {old_v} != {config['vocab_size']}")
+    old_cfg = ModelConfig.from_hf({**config, "vocab_size": old_v})
+    tensors = load_tensors(folder, hf_shapes(old_cfg), "float32", tie_word_embeddings=cfg.tie_word_embeddings)
+    if old_v == config["vocab_size"]:
+        return tensors
+    from jaxserve.tokenizer import Tokenizer
+
+    old_tok = Tokenizer.from_dir(folder)
+    for key in [k for k in tensors if k.endswith("embed_tokens.weight") or k == "lm_head.weight"]:
+        old = tensors[key]
+        rows = [old[old_tok.encode(tok.decode([j], skip_special_tokens=False))].mean(0)
+                for j in range(old_v, config["vocab_size"])]
+        tensors[key] = np.concatenate([old, np.stack(rows).astype(old.dtype)])
+    return tensors
 
 
 def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool = False, seed: int = 0,
           lr: float | None = None, batch_tokens: int | None = None, ckpt_every: int = 200, warmup: int | None = None,
-          curriculum: float = 0.25, vocab_size: int = gt_tokenizer.DEFAULT_VOCAB, log_every: int = 10,
+          curriculum: float = 0.25, log_every: int = 10, extend_vocab: bool = False,
           compute_dtype: str | None = None, kinds: tuple[str, ...] | None = None, stop_at: int | None = None,
           time_limit: float | None = None, data_workers: int = 0, init_from: str | Path | None = None,
           config_overrides: dict | None = None, log=print) -> dict:
@@ -602,8 +621,10 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
     processes (the same batches as in-thread). ``init_from``: start a fresh run from an earlier
     run's export (its bf16 weights as fp32 master params, its tokenizer files, a new optimiser
     state; the export's config must be this model's) instead of random weights: how a run
-    continues on a machine that no longer has its checkpoints. A run with checkpoints resumes
-    from them (and the tokenizer in its export folder) and ignores it. ``config_overrides``
+    continues on a machine that no longer has its checkpoints. ``extend_vocab`` (with
+    ``init_from``): the export's tokenizer gets ``tokenizer.with_single_token_names`` (every id
+    kept, one token per needle NAME appended) and the embeddings the matching rows. A run with
+    checkpoints resumes from them (and the tokenizer in its export folder) and ignores both. ``config_overrides``
     (``--config KEY=VALUE``) changes the model config: any key of the HF config, plus
     ``partial_rotary_factor`` (into ``rope_parameters``) and ``attention_every=N`` (every N-th layer
     full attention); unknown keys raise ValueError."""
@@ -611,18 +632,25 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
 
     from jaxserve.tokenizer import Tokenizer
 
+    if extend_vocab and init_from is None:
+        raise ValueError("extend_vocab extends an --init-from export's tokenizer; a fresh run's already has the name tokens")
     out = Path(out)
     export_dir = out / "export"
     if (export_dir / "tokenizer.json").exists():  # a resumed run keeps the tokenizer it was trained with
         pass
-    elif init_from is not None:  # and a continued one its export's
+    elif init_from is not None:  # and a continued one its export's (extended with name tokens)
         export_dir.mkdir(parents=True, exist_ok=True)
         for name in gt_tokenizer.FILES:
             shutil.copyfile(Path(init_from) / name, export_dir / name)
+        if extend_vocab:
+            from tokenizers import Tokenizer as RawTokenizer
+
+            raw = RawTokenizer.from_file(str(Path(init_from) / "tokenizer.json"))
+            gt_tokenizer.with_single_token_names(raw).save(str(export_dir / "tokenizer.json"))
     else:
-        gt_tokenizer.save(export_dir, vocab_size, seed=tasks.TRAIN_SEED)
+        gt_tokenizer.save(export_dir, seed=tasks.TRAIN_SEED)
     tok = Tokenizer.from_dir(export_dir)
-    config = model_config(vocab_size, moe_variant=moe_variant, smoke=smoke, overrides=config_overrides)
+    config = model_config(tok.vocab_size, moe_variant=moe_variant, smoke=smoke, overrides=config_overrides)
     cfg = ModelConfig.from_hf(config)
     on_gpu = jax.default_backend() == "gpu"
     cdtype = jnp.dtype(compute_dtype or ("bfloat16" if on_gpu else "float32"))
@@ -630,7 +658,8 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
     batch_tokens = batch_tokens or (2048 if smoke else 16384)
     warmup = warmup if warmup is not None else min(200, max(1, steps // 10))
 
-    tensors = init_tensors(cfg, seed) if init_from is None else _export_tensors(init_from, cfg, config)
+    tensors = (init_tensors(cfg, seed) if init_from is None
+               else _export_tensors(init_from, cfg, config, tok if extend_vocab else None))
     params = build_params(cfg, tensors, lambda x: jnp.asarray(x, jnp.float32))
     n_params = sum(x.size for x in jax.tree.leaves(params))
     state, schedule = make_train_state(params, lr, steps, warmup)
@@ -718,6 +747,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--init-from", metavar="EXPORT_DIR",
                     help="start from an earlier run's export instead of random weights (new optimiser state)")
+    ap.add_argument("--extend-vocab", action="store_true",
+                    help="with --init-from: append one token per needle NAME to the export's tokenizer "
+                         "(ids kept) and matching embedding rows (mean of the name's old pieces)")
     ap.add_argument("--data-workers", type=int, default=0,
                     help="processes building batches (0: one background thread); use 2-4 with large --batch-tokens")
     ap.add_argument("--config", action="append", metavar="KEY=VALUE", default=[],
@@ -730,7 +762,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="pieces: same greedy tokens, far fewer compilations (see greedy_pieces)")
     args = ap.parse_args(argv)
     overrides = parse_config_overrides(args.config)
-    model_config(1024, moe_variant=args.moe, smoke=args.smoke, overrides=overrides)  # bad keys fail before any work
+    model_config(gt_tokenizer.BASE_VOCAB, moe_variant=args.moe, smoke=args.smoke, overrides=overrides)  # bad keys fail before any work
 
     # Compiled steps persist across runs (a resumed run, or the MoE run after the dense one).
     jax.config.update("jax_compilation_cache_dir", str(Path(args.out).resolve() / "jax_cache"))
@@ -739,7 +771,8 @@ def main(argv: list[str] | None = None) -> int:
                     batch_tokens=args.batch_tokens, ckpt_every=args.ckpt_every, warmup=args.warmup,
                     curriculum=args.curriculum, log_every=args.log_every, compute_dtype=args.dtype,
                     kinds=tuple(args.kinds) if args.kinds else None, time_limit=args.time_limit,
-                    data_workers=args.data_workers, init_from=args.init_from, config_overrides=overrides or None)
+                    data_workers=args.data_workers, init_from=args.init_from, extend_vocab=args.extend_vocab,
+                    config_overrides=overrides or None)
     summary.pop("final_params")
     summary["train_wall_s"] = time.perf_counter() - t0
     print(json.dumps({"train": summary}), flush=True)
