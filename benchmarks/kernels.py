@@ -140,7 +140,7 @@ def time_jax_chain(chain: Callable, state, args, steps: int, repeats: int = REPE
         state, outs = chain(state, *args)
         jax.block_until_ready((state, outs))
     ext = _cupti()
-    kernel_ms, wall_ms, names = [], [], set()
+    kernel_ms, wall_ms, names, by_name = [], [], set(), {}
     for _ in range(repeats):
         t0 = time.perf_counter()
         state, outs = chain(state, *args)
@@ -161,6 +161,11 @@ def time_jax_chain(chain: Callable, state, args, steps: int, repeats: int = REPE
                     chunk = timings[r * per:(r + 1) * per]
                     kernel_ms.append(sum(t for _, t in chunk) / steps)
                     names.update(n for n, _ in chunk)
+                    per_name: dict = {}
+                    for n, t in chunk:
+                        per_name[n] = per_name.get(n, 0.0) + t / steps
+                    for n, t in per_name.items():
+                        by_name.setdefault(n, []).append(t)
             elif timings:
                 kernel_ms.append(sum(t for _, t in timings) / steps / repeats)
                 names.update(n for n, _ in timings)
@@ -171,6 +176,9 @@ def time_jax_chain(chain: Callable, state, args, steps: int, repeats: int = REPE
     if kernel_ms:
         res.update(kernel_ms=float(np.median(kernel_ms)), kernel_ms_spread=float(np.ptp(kernel_ms)),
                    kernels=sorted(names)[:8])
+    if by_name:  # where the step's time goes: the 6 costliest kernels, median ms per step each
+        top = sorted(((float(np.median(v)), n) for n, v in by_name.items()), reverse=True)[:6]
+        res["kernel_breakdown_ms"] = {n: round(t, 5) for t, n in top}
     return state, res
 
 
