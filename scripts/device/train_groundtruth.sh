@@ -9,7 +9,10 @@
 #   [PROBES=0] [TRAIN_ARGS=...] bash scripts/device/train_groundtruth.sh TRAIN_S CALL_LIMIT_S 'NAME=train.py args' ...
 # e.g.  bash scripts/device/train_groundtruth.sh 480 570 'dense=--steps 3000 --init-from weights/default --seed 1' \
 #         'moe=--steps 3000 --moe --init-from weights/moe --seed 1'
-# TRAIN_ARGS go to every run (e.g. "--batch-tokens 65536 --data-workers 3").
+# TRAIN_ARGS go to every run (e.g. "--batch-tokens 65536 --data-workers 3"). Runs share the XLA
+# compilation cache runs/jax_cache (same model shape: compiled once); KEEP_CACHE=1 also returns it as
+# $OUT/jax-cache.tgz: unpack it into runs/ here and name runs/jax_cache in the next call's carry
+# (a fresh machine otherwise spends 85-125 s of each run compiling).
 set -u
 train_s=${1:?TRAIN_S}; limit=${2:?CALL_LIMIT_S}; shift 2
 probes=${PROBES:-0}
@@ -34,6 +37,7 @@ for spec in "$@"; do
   run "${spec%%=*}" "${spec#*=}" &
 done
 wait
+[ "${KEEP_CACHE:-0}" = 1 ] && [ -d runs/jax_cache ] && tar czf "$OUT/jax-cache.tgz" -C runs jax_cache
 for spec in "$@"; do
   n=${spec%%=*}
   echo "== $n"; grep 'step .*/' "$OUT/$n.log" | tail -n 14 | cut -c1-200; grep -h '"eval"\|"train"\|Error' "$OUT/$n.log" | cut -c1-600

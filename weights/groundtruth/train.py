@@ -755,6 +755,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", action="append", metavar="KEY=VALUE", default=[],
                     help="override a model config key (VALUE as JSON; repeatable): HF config keys, "
                          "partial_rotary_factor, attention_every=N (every N-th layer full attention)")
+    ap.add_argument("--compile-cache", metavar="DIR",
+                    help="persistent XLA compilation cache (default: jax_cache beside --out, shared by sibling runs)")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), help="compute dtype (default bf16 on GPU)")
     ap.add_argument("--probes", type=int, default=100, help="held-out probes per task (0: no evaluation)")
     ap.add_argument("--probe-needle-tokens", type=int, nargs=2, default=(1000, 4000))
@@ -764,8 +766,10 @@ def main(argv: list[str] | None = None) -> int:
     overrides = parse_config_overrides(args.config)
     model_config(gt_tokenizer.BASE_VOCAB, moe_variant=args.moe, smoke=args.smoke, overrides=overrides)  # bad keys fail before any work
 
-    # Compiled steps persist across runs (a resumed run, or the MoE run after the dense one).
-    jax.config.update("jax_compilation_cache_dir", str(Path(args.out).resolve() / "jax_cache"))
+    # Compiled steps persist across runs: a resumed run, and every run of the same model shape
+    # under the same parent folder (side-by-side variants compiled 85-125 s each on a fresh H200).
+    cache = args.compile_cache or str(Path(args.out).resolve().parent / "jax_cache")
+    jax.config.update("jax_compilation_cache_dir", cache)
     t0 = time.perf_counter()
     summary = train(args.out, args.steps, smoke=args.smoke, moe_variant=args.moe, seed=args.seed, lr=args.lr,
                     batch_tokens=args.batch_tokens, ckpt_every=args.ckpt_every, warmup=args.warmup,
