@@ -15,8 +15,10 @@ What it checks (``analyze``), DESIGN.md invariant 6, "hit equals cold": every la
 a prompt must equal its cold (first) completion -- token by token when the server returns
 logprobs tokens, else by text. A difference is a **hit-vs-cold mismatch**; with
 ``--reference-url`` every completion is also compared with the other server's answer to the
-same prompt (**reference mismatch**). Exact-match scores (right / wrong, and wrong-on-hit: wrong
-on a repeat while right cold) measure the model, not corruption. The server's Prometheus
+same prompt (**reference mismatch**), by tokens where both servers return them, else by text
+(``transformers serve`` ignores ``logprobs``, so against it the comparison is by text; the name
+sent to it is the one model it lists). Exact-match scores (right / wrong, and wrong-on-hit:
+wrong on a repeat while right cold) measure the model, not corruption. The server's Prometheus
 ``/metrics`` adds its snapshot checksum mismatches and how many pages / slots requests still hold
 once the run is over (invariant 7: zero).
 
@@ -255,7 +257,9 @@ def render(report: dict[str, Any]) -> str:
     """The human report."""
     a = report
     lines = [f"probe of {a['url']} (model {a['model']}): {a['requests']} requests, concurrency {a['concurrency']}, "
-             f"{a['elapsed_s']:.1f}s" + (f", reference {a['reference_url']}" if a.get("reference_url") else "")]
+             f"{a['elapsed_s']:.1f}s"
+             + (f", reference {a['reference_url']} (compared by {a.get('reference_compared_by')})"
+                if a.get("reference_url") else "")]
     cols = ("requests", "completed", "right", "wrong", "hit_vs_cold_mismatches", "wrong_on_hit",
             "reference_mismatches", "errors", "aborted")
     heads = ("sent", "done", "right", "wrong", "hit!=cold", "wrong-on-hit", "ref!=", "errors", "aborted")
@@ -460,7 +464,7 @@ async def probe(url: str, *, n: int = 500, concurrency: int = 8, abort_fraction:
         results = await _hammer(main, jobs, concurrency, progress)
         elapsed = time.perf_counter() - t0
         metrics = await _idle_metrics(main)
-        reference = None
+        reference, ref_by = None, None
         if reference_url:
             ref = Client(http, reference_url, api_key, None, max_tokens)
             await ref.connect()
@@ -469,13 +473,15 @@ async def probe(url: str, *, n: int = 500, concurrency: int = 8, abort_fraction:
                 firsts.setdefault(j.key, dataclasses.replace(j, role="cold"))
             refs = await _hammer(ref, list(firsts.values()), concurrency, lambda *a: None)
             reference = {r.job.key: r for r in refs}
+            ref_by = "tokens" if main.logprobs and all(r.tokens is not None for r in refs if r.completed) else "text"
     if not any(r.completed for r in results):
         first = next((r.error for r in results if r.error), "every stream was aborted")
         raise ProbeError(f"no request to {url} completed: {first}")
     report = {"url": url, "model": main.model, "reference_url": reference_url, "requests": n,
               "concurrency": concurrency, "abort_fraction": abort_fraction, "seed": seed, "max_tokens": max_tokens,
               "needle_tokens": list(needle_tokens), "kinds": list(kinds),
-              "compared_by": "tokens" if main.logprobs else "text", "elapsed_s": elapsed}
+              "compared_by": "tokens" if main.logprobs else "text", "reference_compared_by": ref_by,
+              "elapsed_s": elapsed}
     report.update(analyze(results, reference))
     report["server"] = server_state(metrics) if metrics is not None else None
     report["corruption"] = verdict(report, report["server"])

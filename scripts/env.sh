@@ -5,13 +5,15 @@
 #                machines' local disk; anything else pulls GB of CUDA wheels), transformers,
 #                einops, and fla's pure-Python sources WITHOUT triton (never install triton there:
 #                transformers would then pick fla's GPU kernels and fail on the CPU).
+#                transformers[serving] adds `transformers serve` (the probe's reference server).
 #
 # Each environment is rebuilt only when its recipe (this file, pyproject.toml) changes.
 set -euo pipefail
 
 JAXSERVE_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TORCH_PINS=(torch==2.13.0)
-REFERENCE_PINS=(transformers==5.24.0 einops safetensors numpy)
+# [serving]: fastapi, uvicorn, openai, accelerate for `transformers serve` (tests/test_probe_reference.py).
+REFERENCE_PINS=("transformers[serving]==5.24.0" einops safetensors numpy)
 FLA_PINS=(flash-linear-attention==0.6.0 fla-core==0.6.0)
 
 _find_python() {  # $1 = minor version, e.g. 3.12

@@ -20,7 +20,8 @@ interpreted=(tests/pallas_kernels/test_gdn_chunked.py tests/pallas_kernels/test_
 rc=0
 skip=("${interpreted[@]/#/--ignore=}")
 for group in "tests/cache tests/engine" "tests/models tests/pallas_kernels" \
-             "tests/server tests/test_cli.py tests/test_tokenizer.py" "tests/test_probe.py" "tests/weights"; do
+             "tests/server tests/test_cli.py tests/test_tokenizer.py" \
+             "tests/test_probe.py tests/test_probe_reference.py" "tests/weights"; do
   # shellcheck disable=SC2086
   "$py" -m pytest -p no:cacheprovider $group "${skip[@]}" -k "not kernel-gdn_decode" || rc=$?
 done
