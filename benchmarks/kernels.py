@@ -128,13 +128,23 @@ def _cupti():
         return None
 
 
-def time_jax_chain(chain: Callable, state, args, steps: int, repeats: int = REPEATS):
+def time_jax_chain(chain: Callable, state, args, steps: int, repeats: int = REPEATS, hlo_name: str | None = None):
     """Median per-step kernel time (CUPTI) and wall time of ``state, outs = chain(state, *args)``.
 
-    ``chain`` donates ``state``; every call threads the returned state into the next one.
+    ``chain`` donates ``state``; every call threads the returned state into the next one. With
+    ``hlo_name`` and ``$KERNELS_HLO_DIR`` set, the compiled (optimised) HLO of ``chain`` is written
+    there as ``hlo_name.hlo.txt.gz``: it maps the breakdown's fusion names back to the ops.
     """
     import jax
     import numpy as np
+
+    hlo_dir = os.environ.get("KERNELS_HLO_DIR")
+    if hlo_name and hlo_dir:
+        import gzip
+
+        os.makedirs(hlo_dir, exist_ok=True)
+        with gzip.open(os.path.join(hlo_dir, f"{hlo_name}.hlo.txt.gz"), "wt") as f:
+            f.write(chain.lower(state, *args).compile().as_text())
 
     for _ in range(2):  # compile + warm up
         state, outs = chain(state, *args)
@@ -879,7 +889,8 @@ def run_chunked_jax(case, allowed=None):
     for name, call in fns.items():
         state = jax.random.normal(jax.random.key(1), shape, jnp.float32) * 0.1
         try:
-            _, res = time_jax_chain(make_chain(call), state, (xd,), steps)
+            hlo_name = "-".join(case_key(case)).replace(" ", "_").replace("(", "").replace(")", "") + f"-{name}"
+            _, res = time_jax_chain(make_chain(call), state, (xd,), steps, hlo_name=hlo_name)
         except Exception as e:  # noqa: BLE001
             res = dict(error=f"{type(e).__name__}: {str(e)[:600]}")
         res.update(steps=steps, flops=chunked_flops(case))

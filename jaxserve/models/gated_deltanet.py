@@ -12,8 +12,8 @@ positions (so a prompt prefilled in pieces computes exactly the chunks one prefi
 decode batch (every row exactly one token) uses the one-step recurrent form — on a GPU the fused
 Mosaic GPU kernel (``pallas_kernels.gdn_decode``), which reads and writes the pool in place
 (``_decode_in_pool``; ``cfg.kernels`` chooses), elsewhere jnp. The short conv runs on the Mosaic
-GPU conv1d kernels (``pallas_kernels.conv1d``, prefill and decode) only when ``cfg.kernels``
-names them (``use_conv_kernel``): they are not under ``auto`` until checked on the GPU.
+GPU conv1d kernels (``pallas_kernels.conv1d``, prefill and decode) where ``cfg.kernels`` picks
+them (``use_conv_kernel``: under ``auto`` on a GPU since they passed the GPU check).
 
 Invariant 1 lives here: the layer itself writes every snapshot the step asks for, conv AND
 recurrent state, in the same scatter as the rows' final states; no caller can forget a layer.

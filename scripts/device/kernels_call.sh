@@ -11,6 +11,7 @@ set -u
 a_s=${1:-220}; b_s=${2:-300}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 W=runs/kernels-call; mkdir -p "$W/check" "$OUT"
+export KERNELS_HLO_DIR=$W/hlo  # the chunked suite writes its compiled HLO there (fusion names -> ops)
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$HOME/site" .whl/*.whl > "$W/pip.log" 2>&1
   export PYTHONPATH=$HOME/site

@@ -64,22 +64,26 @@ def test_auto_on_a_gpu_takes_verified_kernels_unless_less_precise(monkeypatch):
         assert gated_deltanet.use_prefill_kernel(dataclasses.replace(gdn, kernels="gdn_prefill"))
 
 
-def test_conv1d_is_explicit_only_until_checked_on_the_gpu(monkeypatch):
-    """conv1d has not passed gpu_check yet: ``auto`` never picks it, naming it (or ``pallas``) does."""
+def test_conv1d_kernel_where_the_conv_dim_fits(monkeypatch):
+    """conv1d passed gpu_check (2026-12-03): ``auto`` picks it on a GPU where the channels fit its
+    tiling, falls back to jnp where they do not; naming it on a misfit is an error."""
     import jax
 
     from jaxserve.models import gated_deltanet
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert "conv1d" in backends.KERNELS and "conv1d" not in backends.AUTO_ON_GPU
-    assert backends.AUTO_ON_GPU == {"gdn_decode", "gdn_prefill", "paged_attention"}
+    assert backends.AUTO_ON_GPU == {"gdn_decode", "gdn_prefill", "paged_attention", "conv1d"}
     cfg = dataclasses.replace(_cfg("auto"), linear_key_head_dim=64, linear_value_head_dim=64)
-    assert cfg.linear_conv_dim % 128 == 0 and not gated_deltanet.use_conv_kernel(cfg)
+    assert cfg.linear_conv_dim % 128 == 0 and gated_deltanet.use_conv_kernel(cfg)
+    assert not gated_deltanet.use_conv_kernel(dataclasses.replace(cfg, kernels="jnp"))
     assert gated_deltanet.use_conv_kernel(dataclasses.replace(cfg, kernels="conv1d"))
-    assert gated_deltanet.use_conv_kernel(dataclasses.replace(cfg, kernels="pallas"))
-    odd = dataclasses.replace(cfg, kernels="conv1d", linear_key_head_dim=24)
+    assert not gated_deltanet.use_conv_kernel(dataclasses.replace(cfg, kernels="gdn_decode"))
+    odd = dataclasses.replace(cfg, linear_key_head_dim=24)
+    assert not gated_deltanet.use_conv_kernel(odd)  # auto: jnp, no error
     with pytest.raises(ValueError, match="the conv1d kernel does not take conv_dim="):
-        gated_deltanet.use_conv_kernel(odd)
+        gated_deltanet.use_conv_kernel(dataclasses.replace(odd, kernels="conv1d"))
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert not gated_deltanet.use_conv_kernel(cfg)  # the CPU path stays jnp
 
 
 def test_auto_paged_attention_only_at_contract_head_dims(monkeypatch):
