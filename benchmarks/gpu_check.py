@@ -218,11 +218,15 @@ def paged_attention_checks(interpret=False):
 # batches have an empty sequence, random start positions (not multiples of 64) and bucket padding;
 # every boundary the chunked form can produce is requested as a snapshot. The float64 oracle runs
 # token by token on the host over CH_ORACLE_HEADS value heads (heads are independent).
-CH_CASES = [
-    ("gdn", True, jnp.bfloat16, jnp.float32),
-    ("gdn", True, jnp.bfloat16, jnp.bfloat16),
-    ("kda", True, jnp.bfloat16, jnp.float32),
-    ("gdn", False, jnp.float32, jnp.float32),
+CH_CASES = [  # (kind, ragged, activation dtype, WGMMA operand dtype, intra-chunk prep precision)
+    ("gdn", True, jnp.bfloat16, jnp.float32, "highest"),
+    ("gdn", True, jnp.bfloat16, jnp.bfloat16, "highest"),
+    ("kda", True, jnp.bfloat16, jnp.float32, "highest"),
+    ("gdn", False, jnp.float32, jnp.float32, "highest"),
+    # the TF32-prep experiment (gdn_chunked_pallas prep_precision="default"), same tolerances
+    ("gdn", True, jnp.bfloat16, jnp.float32, "default"),
+    ("gdn", True, jnp.bfloat16, jnp.bfloat16, "default"),
+    ("kda", True, jnp.bfloat16, jnp.float32, "default"),
 ]
 CH_TOKENS = 8192
 CH_ORACLE_HEADS = 4
@@ -287,7 +291,11 @@ def chunked_oracle64(x, cu, init, snap_seq, snap_len, heads):
     return o, finals, snaps
 
 
-def check_chunked(kind, ragged, dtype, mm_dtype, seed, interpret=False):
+def chunked_variant(mm_dtype, prep):
+    return f"chunked_{jnp.dtype(mm_dtype).name}mm" + ("" if prep == "highest" else f"_{prep}prep")
+
+
+def check_chunked(kind, ragged, dtype, mm_dtype, prep, seed, interpret=False):
     from pallas_kernels.gdn_chunked import gdn_chunked_pallas
     from pallas_kernels.gdn_reference import gdn_chunked
     from pallas_kernels.kda_reference import kda_chunked
@@ -299,7 +307,8 @@ def check_chunked(kind, ragged, dtype, mm_dtype, seed, interpret=False):
     xd = {n: jnp.asarray(a, dtype) for n, a in x.items()}
     idx = dict(cu_seqlens=jnp.asarray(cu), initial_state=jnp.asarray(init), start_pos=jnp.asarray(start),
                snapshot_seq=jnp.asarray(snap_seq), snapshot_len=jnp.asarray(snap_len))
-    kernel = jax.jit(lambda x, idx: gdn_chunked_pallas(**x, **idx, matmul_dtype=mm_dtype, interpret=interpret))
+    kernel = jax.jit(lambda x, idx: gdn_chunked_pallas(**x, **idx, matmul_dtype=mm_dtype, prep_precision=prep,
+                                                       interpret=interpret))
     t0 = time.perf_counter()
     o, fin, snaps = jax.block_until_ready(kernel(xd, idx))
     first_call_s = time.perf_counter() - t0
@@ -318,7 +327,7 @@ def check_chunked(kind, ragged, dtype, mm_dtype, seed, interpret=False):
     mm, dt = jnp.dtype(mm_dtype).type, jnp.dtype(dtype).type
     state_tol = CH_STATE_TOL[mm]
     o_tol = max(CH_O_TOL[mm], CH_O_TOL[dt])
-    res = dict(kernel=f"{kind}_chunked", variant=f"chunked_{jnp.dtype(mm_dtype).name}mm", B=len(cu) - 1,
+    res = dict(kernel=f"{kind}_chunked", variant=chunked_variant(mm_dtype, prep), B=len(cu) - 1,
                dtype=jnp.dtype(dtype).name, seed=seed, tokens=n_real, T=T, ragged=ragged,
                snapshots=len(snap_seq), oracle_heads=heads.tolist(),
                o_rel_err=rel(o[:n_real, heads], o64[:n_real]),
@@ -344,11 +353,11 @@ def with_verdict(res, o_tol, state_tol):
 def chunked_checks(interpret=False):
     """Every CH_CASES case, one record each; a case that raises is recorded as an error."""
     cases = CH_CASES[:1] + CH_CASES[2:3] if interpret else CH_CASES
-    for seed, (kind, ragged, dtype, mm_dtype) in enumerate(cases, 201):
+    for seed, (kind, ragged, dtype, mm_dtype, prep) in enumerate(cases, 201):
         try:
-            r = check_chunked(kind, ragged, dtype, mm_dtype, seed, interpret)
+            r = check_chunked(kind, ragged, dtype, mm_dtype, prep, seed, interpret)
         except Exception as e:  # keep going: one broken case must not hide the others
-            r = dict(kernel=f"{kind}_chunked", variant=f"chunked_{jnp.dtype(mm_dtype).name}mm", B=-1,
+            r = dict(kernel=f"{kind}_chunked", variant=chunked_variant(mm_dtype, prep), B=-1,
                      dtype=jnp.dtype(dtype).name, ok=False, ragged=ragged,
                      error=f"{type(e).__name__}: {str(e)[:2000]}")
         yield r

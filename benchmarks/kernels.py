@@ -119,17 +119,9 @@ def decode_inputs_np(case, seed=0):
 # ------------------------------------------------------------------------------------------------
 
 
-def _cupti():
-    try:
-        from jax._src.lib import mosaic_gpu as lib
-
-        return lib._mosaic_gpu_ext
-    except Exception:  # noqa: BLE001
-        return None
-
-
 def time_jax_chain(chain: Callable, state, args, steps: int, repeats: int = REPEATS, hlo_name: str | None = None):
-    """Median per-step kernel time (CUPTI) and wall time of ``state, outs = chain(state, *args)``.
+    """Median per-step kernel time (CUPTI, ``jaxserve.profiling``) and wall time of
+    ``state, outs = chain(state, *args)``.
 
     ``chain`` donates ``state``; every call threads the returned state into the next one. With
     ``hlo_name`` and ``$KERNELS_HLO_DIR`` set, the compiled (optimised) HLO of ``chain`` is written
@@ -138,6 +130,8 @@ def time_jax_chain(chain: Callable, state, args, steps: int, repeats: int = REPE
     import jax
     import numpy as np
 
+    from jaxserve import profiling
+
     hlo_dir = os.environ.get("KERNELS_HLO_DIR")
     if hlo_name and hlo_dir:
         import gzip
@@ -145,51 +139,24 @@ def time_jax_chain(chain: Callable, state, args, steps: int, repeats: int = REPE
         os.makedirs(hlo_dir, exist_ok=True)
         with gzip.open(os.path.join(hlo_dir, f"{hlo_name}.hlo.txt.gz"), "wt") as f:
             f.write(chain.lower(state, *args).compile().as_text())
+    carry = [state]
+
+    def call():
+        carry[0], outs = chain(carry[0], *args)
+        jax.block_until_ready((carry[0], outs))
 
     for _ in range(2):  # compile + warm up
-        state, outs = chain(state, *args)
-        jax.block_until_ready((state, outs))
-    ext = _cupti()
-    kernel_ms, wall_ms, names, by_name = [], [], set(), {}
+        call()
+    wall_ms = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        state, outs = chain(state, *args)
-        jax.block_until_ready((state, outs))
+        call()
         wall_ms.append((time.perf_counter() - t0) * 1e3 / steps)
-    if ext is not None:
-        try:
-            ext._cupti_init()  # one CUPTI session for all repeats (attaching costs ~a second)
-            try:
-                for _ in range(repeats):
-                    state, outs = chain(state, *args)
-                    jax.block_until_ready((state, outs))
-            finally:
-                timings = ext._cupti_get_timings(True)
-            if timings and len(timings) % repeats == 0:
-                per = len(timings) // repeats
-                for r in range(repeats):
-                    chunk = timings[r * per:(r + 1) * per]
-                    kernel_ms.append(sum(t for _, t in chunk) / steps)
-                    names.update(n for n, _ in chunk)
-                    per_name: dict = {}
-                    for n, t in chunk:
-                        per_name[n] = per_name.get(n, 0.0) + t / steps
-                    for n, t in per_name.items():
-                        by_name.setdefault(n, []).append(t)
-            elif timings:
-                kernel_ms.append(sum(t for _, t in timings) / steps / repeats)
-                names.update(n for n, _ in timings)
-        except Exception as e:  # noqa: BLE001
-            print(f"  CUPTI unavailable ({type(e).__name__}: {e}); using wall-clock", flush=True)
-            kernel_ms = []
     res = dict(wall_ms=float(np.median(wall_ms)))
-    if kernel_ms:
-        res.update(kernel_ms=float(np.median(kernel_ms)), kernel_ms_spread=float(np.ptp(kernel_ms)),
-                   kernels=sorted(names)[:8])
-    if by_name:  # where the step's time goes: the 6 costliest kernels, median ms per step each
-        top = sorted(((float(np.median(v)), n) for n, v in by_name.items()), reverse=True)[:6]
-        res["kernel_breakdown_ms"] = {n: round(t, 5) for t, n in top}
-    return state, res
+    per_call = profiling.kernel_timings(call, repeats)
+    if per_call:  # kernel time, and where it goes: the 6 costliest kernels, median ms per step each
+        res.update(profiling.summarize(per_call, top=6, divide=steps))
+    return carry[0], res
 
 
 def measure_copy_bandwidth(nbytes=2 << 30 if not os.environ.get("KERNELS_SMOKE") else 1 << 20):
@@ -759,8 +726,14 @@ if os.environ.get("KERNELS_SMOKE"):
     CHUNKED_MODEL = dict(CHUNKED_MODEL, Hk=1, Hv=2, dk=64, dv=64)
     CHUNKED_TOKENS, CHUNKED_RAGGED_SEQS = (256,), {256: 3}
 # Kernel variants timed: WGMMA operands fp32 (tf32 on the GPU) or bf16; gated by gpu_check's rows.
-CHUNKED_VARIANTS = {"chunked_f32mm": "float32", "chunked_bf16mm": "bfloat16"}
-CHECKED_AS.update(chunked_f32mm="chunked_float32mm", chunked_bf16mm="chunked_bfloat16mm")
+# name -> (WGMMA operand dtype, precision of the XLA intra-chunk products); "default" prep is the
+# TF32 experiment (gdn_chunked_pallas's prep_precision), timed beside the shipped "highest".
+CHUNKED_VARIANTS = {"chunked_f32mm": ("float32", "highest"), "chunked_bf16mm": ("bfloat16", "highest"),
+                    "chunked_f32mm_tf32prep": ("float32", "default"),
+                    "chunked_bf16mm_tf32prep": ("bfloat16", "default")}
+CHECKED_AS.update(chunked_f32mm="chunked_float32mm", chunked_bf16mm="chunked_bfloat16mm",
+                  chunked_f32mm_tf32prep="chunked_float32mm_defaultprep",
+                  chunked_bf16mm_tf32prep="chunked_bfloat16mm_defaultprep")
 
 
 def chunked_cases(quick=False):
@@ -865,12 +838,12 @@ def run_chunked_jax(case, allowed=None):
                snapshot_len=jnp.asarray(snap))
     interpret = bool(os.environ.get("KERNELS_SMOKE"))
     fns, out = {}, {}
-    for name, mm in CHUNKED_VARIANTS.items():
+    for name, (mm, prep) in CHUNKED_VARIANTS.items():
         if allowed is not None and name not in allowed:
             out[f"ours_{name}"] = dict(error="not run: failed or missing in gpu_check")
             continue
-        fns[f"ours_{name}"] = (lambda mm: lambda x, s: gdn_chunked_pallas(
-            **x, **idx, initial_state=s, matmul_dtype=mm, interpret=interpret))(mm)
+        fns[f"ours_{name}"] = (lambda mm, prep: lambda x, s: gdn_chunked_pallas(
+            **x, **idx, initial_state=s, matmul_dtype=mm, prep_precision=prep, interpret=interpret))(mm, prep)
     reference = kda_chunked if case["kind"] == "kda" else gdn_chunked
     fns["jnp"] = lambda x, s: reference(**x, **idx, initial_state=s)
 

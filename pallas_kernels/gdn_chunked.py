@@ -85,7 +85,7 @@ def _transforms(dtype):
     return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(_SWIZZLE))
 
 
-def unit_lower_inverse(A, block=16):
+def unit_lower_inverse(A, block=16, precision=lax.Precision.HIGHEST):
     """``(I + A)⁻¹`` for strictly lower ``A [..., C, C]``: forward substitution inside the 16-row
     diagonal blocks, then pairwise merges of block-triangular halves,
     ``[[T1, 0], [A21, T2]]⁻¹ = [[T1, 0], [-T2 A21 T1, T2]]`` (16 -> 32 -> 64), fla's ``solve_tril``
@@ -100,30 +100,32 @@ def unit_lower_inverse(A, block=16):
 
     n = C // block
     diag = blocks(block)[..., jnp.arange(n), jnp.arange(n), :, :]
-    inv = _unit_lower_solve(diag, jnp.broadcast_to(jnp.eye(block, dtype=A.dtype), diag.shape))
+    inv = _unit_lower_solve(diag, jnp.broadcast_to(jnp.eye(block, dtype=A.dtype), diag.shape), precision)
     s = block
     while s < C:
         m = C // s
         a21 = blocks(s)[..., jnp.arange(1, m, 2), jnp.arange(0, m, 2), :, :]
         t1, t2 = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
-        off = -_mm("...ij,...jk,...kl->...il", t2, a21, t1)
+        off = -_mm("...ij,...jk,...kl->...il", t2, a21, t1, precision=precision)
         inv = jnp.concatenate([jnp.concatenate([t1, jnp.zeros_like(t1)], -1),
                                jnp.concatenate([off, t2], -1)], -2)
         s *= 2
     return inv[..., 0, :, :]
 
 
-def chunk_terms(q, k, v, g, beta) -> ChunkTerms:
+def chunk_terms(q, k, v, g, beta, precision=lax.Precision.HIGHEST) -> ChunkTerms:
     """``kda_reference._chunk_terms`` (same quantities, same math) with ``T = (I + A)⁻¹`` formed by
-    ``unit_lower_inverse`` and applied to ``beta v`` and ``beta k exp G`` as batched matmuls."""
+    ``unit_lower_inverse`` and applied to ``beta v`` and ``beta k exp G`` as batched matmuls.
+    ``precision`` of every product: HIGHEST (fp32, the reference's) or None (the configured default:
+    TF32 tensor cores on the GPU unless the user set ``jax_default_matmul_precision``)."""
     G = jnp.cumsum(g, axis=-2)
-    A = beta[..., :, None] * _decayed_scores(k, k, G, inclusive=False)
-    t = unit_lower_inverse(A)
+    A = beta[..., :, None] * _decayed_scores(k, k, G, inclusive=False, precision=precision)
+    t = unit_lower_inverse(A, precision=precision)
     G_last = G[..., -1:, :]
     return ChunkTerms(
-        u=_mm("...ij,...jd->...id", t, beta[..., None] * v),
-        w=_mm("...ij,...jd->...id", t, beta[..., None] * k * jnp.exp(G)),
-        qk=_decayed_scores(q, k, G, inclusive=True),
+        u=_mm("...ij,...jd->...id", t, beta[..., None] * v, precision=precision),
+        w=_mm("...ij,...jd->...id", t, beta[..., None] * k * jnp.exp(G), precision=precision),
+        qk=_decayed_scores(q, k, G, inclusive=True, precision=precision),
         q_decayed=q * jnp.exp(G),
         k_decayed=k * jnp.exp(G_last - G),
         decay_last=jnp.exp(G_last[..., 0, :]),
@@ -272,10 +274,13 @@ def _layout_requests(layout, cu_seqlens, snapshot_seq, snapshot_len, max_chunks,
     return req_seq, row, slot_of_chunk
 
 
+PREP_PRECISIONS = {"highest": lax.Precision.HIGHEST, "default": None}
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "max_chunks", "block_dv",
-                                             "matmul_dtype", "interpret"))
+                                             "matmul_dtype", "prep_precision", "interpret"))
 def _chunked_pallas(q, k, v, g, beta, cu_seqlens, initial_state, snapshot_seq, snapshot_len, start_pos,
-                    *, scale, use_qk_l2norm, max_chunks, block_dv, matmul_dtype, interpret):
+                    *, scale, use_qk_l2norm, max_chunks, block_dv, matmul_dtype, prep_precision, interpret):
     T, Hv, dv = v.shape
     dk = q.shape[-1]
     num_seqs = cu_seqlens.shape[0] - 1
@@ -283,7 +288,8 @@ def _chunked_pallas(q, k, v, g, beta, cu_seqlens, initial_state, snapshot_seq, s
     q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
     layout = chunk_layout(cu_seqlens, start_pos, T, CHUNK, max_chunks)
     grid = functools.partial(_to_grid, layout=layout, max_chunks=max_chunks, chunk_size=CHUNK)
-    terms = chunk_terms(grid(q), grid(k), grid(v), grid(g), grid(beta[..., None])[..., 0])
+    terms = chunk_terms(grid(q), grid(k), grid(v), grid(g), grid(beta[..., None])[..., 0],
+                        precision=PREP_PRECISIONS[prep_precision])
     mm = jnp.dtype(matmul_dtype)
     w = terms.w.astype(mm)                                   # [M, Hv, C, dk]
     qd = terms.q_decayed.astype(mm)                          # [M, Hv, C, dk]
@@ -377,7 +383,7 @@ def _check_tiling(q, v, block_dv, chunk_size, matmul_dtype):
 
 def gdn_chunked_pallas(q, k, v, g, beta, *, cu_seqlens, initial_state=None, scale=None, use_qk_l2norm=True,
                        snapshot_seq=None, snapshot_len=None, chunk_size=64, start_pos=None, max_chunks=None,
-                       block_dv=64, matmul_dtype=jnp.float32, interpret=False):
+                       block_dv=64, matmul_dtype=jnp.float32, prep_precision="highest", interpret=False):
     """``gdn_chunked`` (``g [T, Hv]``) or ``kda_chunked`` (``g [T, Hv, dk]``) with the state recurrence
     on the Mosaic GPU kernel. Same arguments and results as the references::
 
@@ -389,8 +395,13 @@ def gdn_chunked_pallas(q, k, v, g, beta, *, cu_seqlens, initial_state=None, scal
     Snapshots exist at lengths 0, the whole sequence, or ``(start_pos + len) % 64 == 0``; others
     raise ``ValueError`` when concrete and come back NaN under ``jit`` (as in the reference).
     Extra static knobs: ``block_dv`` (state columns per program), ``matmul_dtype`` (WGMMA operand
-    dtype: fp32 = tf32 on the GPU, or bf16), ``interpret`` (Mosaic GPU's interpreter, CPU tests).
+    dtype: fp32 = tf32 on the GPU, or bf16), ``prep_precision`` (the XLA intra-chunk products:
+    ``"highest"`` fp32, or ``"default"``, the configured matmul precision, i.e. TF32 on the GPU:
+    an experiment, measured by ``benchmarks/kernels.py`` and checked by ``benchmarks/gpu_check.py``
+    before any model path uses it), ``interpret`` (Mosaic GPU's interpreter, CPU tests).
     """
+    if prep_precision not in PREP_PRECISIONS:
+        raise ValueError(f"prep_precision={prep_precision!r}; choose one of {sorted(PREP_PRECISIONS)}")
     if g.ndim == 2:
         if g.shape != v.shape[:2]:
             raise ValueError(f"GDN gate g {g.shape} must be [T, Hv] = {v.shape[:2]}")
@@ -401,7 +412,7 @@ def gdn_chunked_pallas(q, k, v, g, beta, *, cu_seqlens, initial_state=None, scal
     o, final, snaps = _chunked_pallas(q, k, v, g, beta, cu, init, snap_seq, snap_len, start,
                                       scale=scale, use_qk_l2norm=use_qk_l2norm, max_chunks=max_chunks,
                                       block_dv=block_dv, matmul_dtype=jnp.dtype(matmul_dtype).name,
-                                      interpret=interpret)
+                                      prep_precision=prep_precision, interpret=interpret)
     return o.astype(v.dtype), final, (None if snapshot_seq is None else snaps)
 
 

@@ -48,9 +48,10 @@ from pallas_kernels import concrete_or_none, token_segments
 L2NORM_EPS = 1e-6
 
 
-def _mm(spec: str, *operands: jnp.ndarray) -> jnp.ndarray:
-    """fp32 einsum at full precision: the reference must not silently drop to TF32 on GPU."""
-    return jnp.einsum(spec, *operands, precision=lax.Precision.HIGHEST)
+def _mm(spec: str, *operands: jnp.ndarray, precision=lax.Precision.HIGHEST) -> jnp.ndarray:
+    """fp32 einsum at full precision: the reference must not silently drop to TF32 on GPU.
+    (``precision=None``: the configured default, for the kernel path's opt-in faster prep.)"""
+    return jnp.einsum(spec, *operands, precision=precision)
 
 
 def l2norm(x: jnp.ndarray, eps: float = L2NORM_EPS) -> jnp.ndarray:
@@ -244,7 +245,7 @@ def _from_grid(grid, layout: ChunkLayout):
     return jnp.take(flat, layout.token_slot, axis=0, mode="fill", fill_value=0)
 
 
-def _decayed_scores(a, b, G, *, inclusive: bool):
+def _decayed_scores(a, b, G, *, inclusive: bool, precision=lax.Precision.HIGHEST):
     """``out[i, j] = Σ_d a_i[d] b_j[d] exp(G_i[d] - G_j[d])`` for ``j < i`` (``j <= i`` if inclusive).
 
     ``G`` is the within-chunk cumulative log-decay, ``[..., C, dk]`` (KDA) or ``[..., C, 1]``
@@ -256,11 +257,11 @@ def _decayed_scores(a, b, G, *, inclusive: bool):
     diff = G[..., :, None, :] - G[..., None, :, :]
     decay = jnp.exp(jnp.where(mask[..., None], diff, -jnp.inf))
     if G.shape[-1] == 1:
-        return _mm("...id,...jd->...ij", a, b) * decay[..., 0]
+        return _mm("...id,...jd->...ij", a, b, precision=precision) * decay[..., 0]
     return jnp.sum(a[..., :, None, :] * b[..., None, :, :] * decay, axis=-1)  # exact fp32, no matmul unit
 
 
-def _unit_lower_solve(A, rhs):
+def _unit_lower_solve(A, rhs, precision=lax.Precision.HIGHEST):
     """``(I + A)^-1 rhs`` for strictly lower ``A [..., C, C]`` by forward substitution over the C rows.
 
     The same recurrence as fla's / transformers' naive chunk forms. Not ``lax.linalg.triangular_solve``:
@@ -270,7 +271,7 @@ def _unit_lower_solve(A, rhs):
     def row(i, x):
         a_i = lax.dynamic_index_in_dim(A, i, axis=-2, keepdims=False)
         r_i = lax.dynamic_index_in_dim(rhs, i, axis=-2, keepdims=False)
-        x_i = r_i - _mm("...j,...jw->...w", a_i, x)  # rows >= i of x are still zero
+        x_i = r_i - _mm("...j,...jw->...w", a_i, x, precision=precision)  # rows >= i of x are still zero
         return lax.dynamic_update_index_in_dim(x, x_i, i, axis=-2)
 
     return lax.fori_loop(0, A.shape[-1], row, jnp.zeros_like(rhs))

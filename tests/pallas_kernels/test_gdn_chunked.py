@@ -210,3 +210,35 @@ def test_chunk_terms_match_reference(kda):
     t = np.asarray(unit_lower_inverse(A), np.float64)
     np.testing.assert_allclose(t @ (np.eye(C) + np.asarray(A, np.float64)), np.broadcast_to(np.eye(C), t.shape),
                                atol=1e-5)
+
+
+def test_tf32_prep_changes_only_the_precision_of_the_intra_chunk_products():
+    """``prep_precision="default"`` (the TF32 experiment) lowers the same nine XLA products at the
+    configured precision instead of HIGHEST, and computes the same terms (on the CPU, where the
+    default is full fp32); a value outside ``PREP_PRECISIONS`` is an error."""
+    import re
+
+    from pallas_kernels.gdn_chunked import PREP_PRECISIONS, chunk_terms
+    from pallas_kernels.kda_reference import _chunk_terms, l2norm
+
+    T, d = 128, 64
+    x = dict(q=jnp.zeros((T, 1, d)), k=jnp.zeros((T, 1, d)), v=jnp.zeros((T, 2, d)), g=jnp.zeros((T, 2)),
+             beta=jnp.zeros((T, 2)))
+    cu = jnp.asarray([0, 100], jnp.int32)
+    precisions = {}
+    for prep in PREP_PRECISIONS:
+        f = jax.jit(lambda x, cu, prep=prep: gdn_chunked_pallas(**x, cu_seqlens=cu, prep_precision=prep))
+        text = f.trace(x, cu).lower(lowering_platforms=("cuda",)).as_text()
+        precisions[prep] = re.findall(r"stablehlo.dot_general[^\n]*precision = \[(\w+), \w+\]", text)
+    assert len(precisions["highest"]) == len(precisions["default"]) > 0
+    assert set(precisions["highest"]) == {"HIGHEST"} and set(precisions["default"]) == {"DEFAULT"}
+
+    rng = np.random.default_rng(5)
+    n = lambda *s: jnp.asarray(rng.normal(size=s).astype(np.float32))  # noqa: E731
+    q, k, v = l2norm(n(2, 2, 64, 32)), l2norm(n(2, 2, 64, 32)), n(2, 2, 64, 16)
+    g = -jnp.asarray(rng.uniform(0, 0.5, size=(2, 2, 64, 1)).astype(np.float32))
+    beta = jnp.asarray(rng.uniform(0, 1, size=(2, 2, 64)).astype(np.float32))
+    for got, want in zip(chunk_terms(q, k, v, g, beta, precision=None), _chunk_terms(q, k, v, g, beta)):
+        assert rel(got, want) < 1e-5
+    with pytest.raises(ValueError, match="prep_precision"):
+        gdn_chunked_pallas(**x, cu_seqlens=cu, prep_precision="fast", interpret=True)

@@ -306,7 +306,7 @@ def smoke_runs(tmp_path_factory):
     """One uninterrupted smoke run and one stopped at step 8 then resumed, same settings."""
     kw = dict(smoke=True, kinds=("arithmetic",), batch_tokens=1024, ckpt_every=4, log_every=100, log=lambda *_: None)
     base = tmp_path_factory.mktemp("smoke")
-    full = train.train(base / "full", 16, **kw)
+    full = train.train(base / "full", 16, profile=1, **kw)  # profiling after the last step changes nothing
     stopped = train.train(base / "resumed", 16, stop_at=8, **kw)
     # a device call's time limit: resume at 8, stop at once, export what step 8 holds
     limited = train.train(base / "resumed", 16, time_limit=0.0, **kw)
@@ -325,6 +325,9 @@ def test_smoke_training_lowers_loss_and_resumes_exactly(smoke_runs):
     steps = sorted(int(p.name) for p in (base / "resumed" / "checkpoints").iterdir() if p.name.isdigit())
     assert steps == [12, 16]  # max_to_keep=2
     jax.tree.map(np.testing.assert_array_equal, full["final_params"], resumed["final_params"])
+    # --profile: one entry per bucket used (arithmetic only here); wall time only off the GPU
+    assert list(full["profile"]) == ["arithmetic[16x64]"] and full["profile"]["arithmetic[16x64]"]["wall_ms"] > 0
+    assert full["profile"]["arithmetic[16x64]"]["tokens"] == 1024 and resumed["profile"] is None
 
 
 def test_init_from_an_export_starts_where_that_run_ended(smoke_runs, tmp_path):

@@ -568,6 +568,39 @@ def _step_fn(cfg: ModelConfig, cdtype, remat: bool):
     return step_fn
 
 
+def profile_buckets(step_fn, state, batch, steps: range, calls: int = 3, log=print) -> dict:
+    """Where a training step's GPU time goes: for each bucket that ``batch(step)`` yields over
+    ``steps``, ``calls`` steps on copies of ``state`` (the run is not advanced) timed per kernel
+    (``jaxserve.profiling``: total and the 10 costliest kernels) and by the wall clock. Returns and
+    logs ``{"kind[BxT]": summary}``; off the GPU only ``wall_ms``."""
+    from jaxserve import profiling
+
+    out: dict = {}
+    for s in steps:
+        bucket, (toks, mask) = batch(s)
+        label = f"{bucket['kind']}[{bucket['B']}x{bucket['T']}]"
+        if label in out:
+            continue
+        toks, mask = jnp.asarray(toks), jnp.asarray(mask)
+        copies = [jax.tree.map(jnp.copy, state) for _ in range(2 * calls + 1)]
+        jax.block_until_ready(copies)
+
+        def call():
+            jax.block_until_ready(step_fn(copies.pop(), toks, mask))
+
+        call()  # compile (a bucket the run never used) and warm up
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        res = dict(wall_ms=round((time.perf_counter() - t0) * 1e3 / calls, 3), tokens=int(toks.size))
+        per_call = profiling.kernel_timings(call, calls)
+        if per_call:
+            res.update(profiling.summarize(per_call, top=10))
+        out[label] = res
+        log(json.dumps({"profile": label, **res}))
+    return out
+
+
 def _checkpointer(path: Path, every: int):
     import orbax.checkpoint as ocp
 
@@ -611,7 +644,7 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
           curriculum: float = 0.25, log_every: int = 10, extend_vocab: bool = False,
           compute_dtype: str | None = None, kinds: tuple[str, ...] | None = None, stop_at: int | None = None,
           time_limit: float | None = None, data_workers: int = 0, init_from: str | Path | None = None,
-          config_overrides: dict | None = None, log=print) -> dict:
+          config_overrides: dict | None = None, profile: int = 0, log=print) -> dict:
     """Train (resuming from DIR/checkpoints if present) and export to DIR/export. Returns a summary
     (``final_params``: the trained pytree). ``kinds`` restricts the buckets to those task kinds;
     ``stop_at`` ends the run early after a checkpoint, without export (as a preempted run would);
@@ -627,7 +660,9 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
     checkpoints resumes from them (and the tokenizer in its export folder) and ignores both. ``config_overrides``
     (``--config KEY=VALUE``) changes the model config: any key of the HF config, plus
     ``partial_rotary_factor`` (into ``rope_parameters``) and ``attention_every=N`` (every N-th layer
-    full attention); unknown keys raise ValueError."""
+    full attention); unknown keys raise ValueError. ``profile`` > 0: after the last step, that many
+    extra steps per bucket on copies of the state, timed per kernel (``profile_buckets``; the
+    summary's ``profile``)."""
     import orbax.checkpoint as ocp
 
     from jaxserve.tokenizer import Tokenizer
@@ -714,6 +749,7 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
         mngr.save(end, args=ocp.args.StandardSave(state), force=True)
     mngr.wait_until_finished()
     mngr.close()
+    profiled = profile_buckets(step_fn, state, batch, range(end, end + len(_CYCLE[smoke])), profile, log) if profile else None
     if end < steps and not timed_out:
         return {"stopped_at": end, "start": start, "first_loss": losses[0] if losses else None,
                 "last_loss": losses[-1] if losses else None, "final_params": state.params}
@@ -724,7 +760,7 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
     summary = {"steps": end, "planned_steps": steps, "start": start, "first_loss": losses[0] if losses else None,
                "last_loss": losses[-1] if losses else None, "params": n_params,
                "export": str(export_dir), "safetensors_bytes": size, "tokens_per_s": tps,
-               "padded_tokens_per_step": batch_tokens, "final_params": state.params}
+               "padded_tokens_per_step": batch_tokens, "profile": profiled, "final_params": state.params}
     if size > MAX_EXPORT_BYTES and not smoke:
         log(f"WARNING: model.safetensors is {size} bytes, over the {MAX_EXPORT_BYTES} budget")
     return summary
@@ -744,6 +780,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kinds", nargs="+", choices=tasks.KINDS, help="train on these task kinds only")
     ap.add_argument("--ckpt-every", type=int, default=200)
     ap.add_argument("--time-limit", type=float, help="seconds of training, then checkpoint + export (resume later)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after training, N extra steps per bucket (on copies of the state) timed per GPU kernel")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--init-from", metavar="EXPORT_DIR",
                     help="start from an earlier run's export instead of random weights (new optimiser state)")
@@ -776,7 +814,7 @@ def main(argv: list[str] | None = None) -> int:
                     curriculum=args.curriculum, log_every=args.log_every, compute_dtype=args.dtype,
                     kinds=tuple(args.kinds) if args.kinds else None, time_limit=args.time_limit,
                     data_workers=args.data_workers, init_from=args.init_from, extend_vocab=args.extend_vocab,
-                    config_overrides=overrides or None)
+                    config_overrides=overrides or None, profile=args.profile)
     summary.pop("final_params")
     summary["train_wall_s"] = time.perf_counter() - t0
     print(json.dumps({"train": summary}), flush=True)
