@@ -285,6 +285,25 @@ def test_train_logits_match_decoder_forward():
     np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=2e-4, atol=2e-4)
 
 
+def test_delta_precision_only_changes_the_products_precision(tmp_path):
+    """--delta-precision default: the training delta rule's products lower at the configured
+    precision (TF32 on a GPU) instead of HIGHEST, with the same values on the CPU (fp32 either way)."""
+    T, H, d = 70, 2, 16
+    key = iter(jax.random.split(jax.random.PRNGKey(3), 5))
+    q, k, v = (jax.random.normal(next(key), (T, H, d)) for _ in range(3))
+    g = -jax.random.uniform(next(key), (T, H)) * 0.1
+    beta = jax.random.uniform(next(key), (T, H))
+    outs, texts = {}, {}
+    for prec in train.MATMUL_PRECISIONS:
+        f = jax.jit(lambda *a, prec=prec: train._delta_rule_train(*a, precision=prec))
+        texts[prec] = f.lower(q, k, v, g, beta).as_text()
+        outs[prec] = f(q, k, v, g, beta)
+    assert "HIGHEST" in texts["highest"] and "HIGHEST" not in texts["default"]
+    np.testing.assert_allclose(np.asarray(outs["default"]), np.asarray(outs["highest"]), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="delta_precision"):
+        train.train(tmp_path / "x", 1, smoke=True, delta_precision="fast")
+
+
 def test_moe_export_round_trips(tmp_path, tok):
     config = train.model_config(tok.vocab_size, moe_variant=True, smoke=True)
     cfg = ModelConfig.from_hf(config)

@@ -172,13 +172,17 @@ def _dense_causal_attention(p, cfg: ModelConfig, x, positions, B: int, T: int):
     return attention_out(p, cfg, out.reshape(B * T, nh * hd), gate)
 
 
-def _delta_rule_train(q, k, v, g, beta, C: int = 64):
+MATMUL_PRECISIONS = {"highest": jax.lax.Precision.HIGHEST, "default": None}  # --delta-precision
+
+
+def _delta_rule_train(q, k, v, g, beta, C: int = 64, precision: str = "highest"):
     """The gated delta rule of one sequence from a zero state, chunked (UT transform, a scan over
     chunks), written for the backward pass: the serving reference (``gdn_chunked``) lays ragged
     tokens on a grid whose gradient needs O(T^2) memory. Same math and conventions as
     ``pallas_kernels.kda_reference`` (fp32, q/k l2-normalised, q scaled by dk^-0.5, grouped heads);
     tests check the whole model against ``decoder.forward``. q, k [T, Hk, dk]; v [T, Hv, dv];
-    g, beta [T, Hv]. Returns o [T, Hv, dv] in v.dtype."""
+    g, beta [T, Hv]. Returns o [T, Hv, dv] in v.dtype. ``precision`` of its fp32 products: "highest"
+    (full fp32, the serving reference's) or "default" (the configured one: TF32 on a GPU)."""
     from pallas_kernels.kda_reference import _prepare
 
     out_dtype = v.dtype
@@ -194,8 +198,7 @@ def _delta_rule_train(q, k, v, g, beta, C: int = 64):
     incl = jnp.tril(jnp.ones((C, C), bool))
     strict = jnp.tril(jnp.ones((C, C), bool), -1)
     decay = jnp.exp(jnp.where(incl, gc[..., :, None] - gc[..., None, :], -jnp.inf))
-    hi = jax.lax.Precision.HIGHEST
-    mm = partial(jnp.matmul, precision=hi)
+    mm = partial(jnp.matmul, precision=MATMUL_PRECISIONS[precision])
     kb = k * beta[..., None]
     lower = jnp.where(strict, mm(kb, jnp.swapaxes(k, -1, -2)) * decay, 0.0)
     eye = jnp.eye(C, dtype=jnp.float32)
@@ -218,22 +221,23 @@ def _delta_rule_train(q, k, v, g, beta, C: int = 64):
     return o.astype(out_dtype)
 
 
-def _gdn_train(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+def _gdn_train(p: dict, cfg: ModelConfig, x: jax.Array, precision: str = "highest") -> jax.Array:
     """``gated_deltanet.gated_deltanet`` for one fresh sequence x [T, H] (the same projections, conv
     and gated norm), with ``_delta_rule_train`` as the delta-rule backend."""
     mixed, z, beta, g = gated_deltanet.project(p, cfg, x)
     mixed, _, _ = causal_conv1d_prefill(mixed, p["conv_w"], cu_seqlens=jnp.asarray([0, x.shape[0]], jnp.int32))
     q, k, v = gated_deltanet.split_qkv(cfg, mixed)
-    return gated_deltanet.output(p, cfg, _delta_rule_train(q, k, v, g, beta), z)
+    return gated_deltanet.output(p, cfg, _delta_rule_train(q, k, v, g, beta, precision=precision), z)
 
 
-def train_logits(params: dict, cfg: ModelConfig, tokens: jax.Array, remat: bool = True) -> jax.Array:
+def train_logits(params: dict, cfg: ModelConfig, tokens: jax.Array, remat: bool = True,
+                 delta_precision: str = "highest") -> jax.Array:
     """fp32 logits [B, T, V] of ``tokens`` [B, T], each row a fresh sequence at positions 0..T-1."""
     B, T = tokens.shape
     positions = jnp.tile(jnp.arange(T, dtype=jnp.int32), B)
 
     def gdn_row(p, h):  # h [T, H], one sequence from position 0
-        return _gdn_train(p, cfg, h)
+        return _gdn_train(p, cfg, h, delta_precision)
 
     def layer(x, p, layer_type, is_moe):
         h = rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
@@ -255,13 +259,13 @@ def train_logits(params: dict, cfg: ModelConfig, tokens: jax.Array, remat: bool 
     return (x @ lm_head).astype(jnp.float32).reshape(B, T, -1)
 
 
-def loss_fn(params, cfg: ModelConfig, tokens, mask, compute_dtype, remat: bool = True):
+def loss_fn(params, cfg: ModelConfig, tokens, mask, compute_dtype, remat: bool = True, delta_precision: str = "highest"):
     """Mean cross-entropy over answer tokens (mask on the predicted token), and two accuracies:
     over all answer tokens, and over each answer's FIRST token only. The first is flattering under
     teacher forcing (once a needle's first digits are given, the rest can be found by matching
     them); the second is the one greedy decoding lives on (which line / how large a result)."""
     p = jax.tree.map(lambda a: a.astype(compute_dtype), params)
-    logits = train_logits(p, cfg, tokens, remat)[:, :-1]
+    logits = train_logits(p, cfg, tokens, remat, delta_precision)[:, :-1]
     targets, m = tokens[:, 1:], mask[:, 1:].astype(jnp.float32)
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
@@ -559,10 +563,11 @@ def make_train_state(params, lr: float, steps: int, warmup: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _step_fn(cfg: ModelConfig, cdtype, remat: bool):
+def _step_fn(cfg: ModelConfig, cdtype, remat: bool, delta_precision: str = "highest"):
     @partial(jax.jit, donate_argnums=(0,))
     def step_fn(state, tokens, mask):
-        (loss, accs), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, cfg, tokens, mask, cdtype, remat)
+        (loss, accs), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, cfg, tokens, mask, cdtype, remat,
+                                                                        delta_precision)
         return state.apply_gradients(grads=grads), loss, accs
 
     return step_fn
@@ -644,7 +649,8 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
           curriculum: float = 0.25, log_every: int = 10, extend_vocab: bool = False,
           compute_dtype: str | None = None, kinds: tuple[str, ...] | None = None, stop_at: int | None = None,
           time_limit: float | None = None, data_workers: int = 0, init_from: str | Path | None = None,
-          config_overrides: dict | None = None, profile: int = 0, log=print) -> dict:
+          config_overrides: dict | None = None, profile: int = 0, delta_precision: str = "highest",
+          log=print) -> dict:
     """Train (resuming from DIR/checkpoints if present) and export to DIR/export. Returns a summary
     (``final_params``: the trained pytree). ``kinds`` restricts the buckets to those task kinds;
     ``stop_at`` ends the run early after a checkpoint, without export (as a preempted run would);
@@ -662,11 +668,14 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
     ``partial_rotary_factor`` (into ``rope_parameters``) and ``attention_every=N`` (every N-th layer
     full attention); unknown keys raise ValueError. ``profile`` > 0: after the last step, that many
     extra steps per bucket on copies of the state, timed per kernel (``profile_buckets``; the
-    summary's ``profile``)."""
+    summary's ``profile``). ``delta_precision`` of the training delta rule's fp32 products
+    (``MATMUL_PRECISIONS``: "highest", or "default" = TF32 on a GPU)."""
     import orbax.checkpoint as ocp
 
     from jaxserve.tokenizer import Tokenizer
 
+    if delta_precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"delta_precision={delta_precision!r}; choose one of {sorted(MATMUL_PRECISIONS)}")
     if extend_vocab and init_from is None:
         raise ValueError("extend_vocab extends an --init-from export's tokenizer; a fresh run's already has the name tokens")
     out = Path(out)
@@ -708,7 +717,7 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
     log(f"model {config['model_type']}: {n_params / 1e6:.2f}M params ({2 * n_params / 2**20:.1f} MiB as bf16), "
         f"backend {jax.default_backend()}, compute {cdtype.name}, steps {start}..{steps}")
 
-    step_fn = _step_fn(cfg, cdtype, not smoke)  # smoke: short sequences, no need to rematerialise
+    step_fn = _step_fn(cfg, cdtype, not smoke, delta_precision)  # smoke: short sequences, no need to rematerialise
     bks = buckets(smoke, batch_tokens)
     end = min(steps, stop_at) if stop_at is not None else steps
     batch = partial(batch_for_step, tokenizer_dir=str(export_dir), steps=steps, bks=bks, smoke=smoke,
@@ -782,6 +791,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-limit", type=float, help="seconds of training, then checkpoint + export (resume later)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after training, N extra steps per bucket (on copies of the state) timed per GPU kernel")
+    ap.add_argument("--delta-precision", choices=sorted(MATMUL_PRECISIONS), default="highest",
+                    help="precision of the training delta rule's fp32 products (default: TF32 on a GPU)")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--init-from", metavar="EXPORT_DIR",
                     help="start from an earlier run's export instead of random weights (new optimiser state)")
@@ -814,7 +825,8 @@ def main(argv: list[str] | None = None) -> int:
                     curriculum=args.curriculum, log_every=args.log_every, compute_dtype=args.dtype,
                     kinds=tuple(args.kinds) if args.kinds else None, time_limit=args.time_limit,
                     data_workers=args.data_workers, init_from=args.init_from, extend_vocab=args.extend_vocab,
-                    config_overrides=overrides or None, profile=args.profile)
+                    config_overrides=overrides or None, profile=args.profile,
+                    delta_precision=args.delta_precision)
     summary.pop("final_params")
     summary["train_wall_s"] = time.perf_counter() - t0
     print(json.dumps({"train": summary}), flush=True)
