@@ -272,14 +272,15 @@ def test_answer_accuracies_count_first_answer_tokens_apart():
     assert float(acc) == pytest.approx(3 / 5) and float(first) == 0.0  # firsts are tokens 2 and 7: both wrong
 
 
-def test_train_logits_match_decoder_forward():
-    """The training forward (dense attention, training delta rule) against the serving stack.
-    (Dense MLP only: the MoE block is the same ``layers.moe`` call in both, and compiling it again
-    would cost the CI budget.)"""
+@pytest.mark.parametrize("attention", sorted(train.TRAIN_ATTENTION))
+def test_train_logits_match_decoder_forward(attention):
+    """The training forward (each full-attention backend, training delta rule) against the serving
+    stack. (Dense MLP only: the MoE block is the same ``layers.moe`` call in both, and compiling it
+    again would cost the CI budget.)"""
     cfg = _two_layer(False)
     params = build_params(cfg, train.init_tensors(cfg, 1, init_std=0.1), jnp.asarray)
     tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 150), 0, 300)
-    ours = jax.jit(train.train_logits, static_argnums=1)(params, cfg, tokens)
+    ours = jax.jit(train.train_logits, static_argnums=(1, 3, 4, 5))(params, cfg, tokens, False, "highest", attention)
     state = decoder.init_state(cfg, 2, 192, jnp.float32)
     ref, _ = decoder.forward(params, cfg, tokens, jnp.broadcast_to(jnp.arange(150), (2, 150)), state)
     np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=2e-4, atol=2e-4)
@@ -302,6 +303,8 @@ def test_delta_precision_only_changes_the_products_precision(tmp_path):
     np.testing.assert_allclose(np.asarray(outs["default"]), np.asarray(outs["highest"]), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="delta_precision"):
         train.train(tmp_path / "x", 1, smoke=True, delta_precision="fast")
+    with pytest.raises(ValueError, match="attention"):
+        train.train(tmp_path / "x", 1, smoke=True, attention="flash")
 
 
 def test_moe_export_round_trips(tmp_path, tok):

@@ -172,6 +172,20 @@ def _dense_causal_attention(p, cfg: ModelConfig, x, positions, B: int, T: int):
     return attention_out(p, cfg, out.reshape(B * T, nh * hd), gate)
 
 
+def _fused_causal_attention(p, cfg: ModelConfig, x, positions, B: int, T: int):
+    """``_dense_causal_attention`` through ``jax.nn.dot_product_attention`` (cuDNN's fused flash
+    attention on a GPU, forward and backward, where it takes the shapes; XLA elsewhere): no
+    [B, heads, T, T] scores in memory. ``--train-attention fused``."""
+    q, k, v, gate = attention_in(p, cfg, x, positions)
+    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    out = jax.nn.dot_product_attention(q.reshape(B, T, nh, hd), k.reshape(B, T, nkv, hd), v.reshape(B, T, nkv, hd),
+                                       scale=hd ** -0.5, is_causal=True)
+    return attention_out(p, cfg, out.reshape(B * T, nh * hd), gate)
+
+
+TRAIN_ATTENTION = {"dense": _dense_causal_attention, "fused": _fused_causal_attention}  # --train-attention
+
+
 MATMUL_PRECISIONS = {"highest": jax.lax.Precision.HIGHEST, "default": None}  # --delta-precision
 
 
@@ -231,8 +245,10 @@ def _gdn_train(p: dict, cfg: ModelConfig, x: jax.Array, precision: str = "highes
 
 
 def train_logits(params: dict, cfg: ModelConfig, tokens: jax.Array, remat: bool = True,
-                 delta_precision: str = "highest") -> jax.Array:
-    """fp32 logits [B, T, V] of ``tokens`` [B, T], each row a fresh sequence at positions 0..T-1."""
+                 delta_precision: str = "highest", attention: str = "dense") -> jax.Array:
+    """fp32 logits [B, T, V] of ``tokens`` [B, T], each row a fresh sequence at positions 0..T-1.
+    ``delta_precision`` (``MATMUL_PRECISIONS``) and ``attention`` (``TRAIN_ATTENTION``) pick the
+    training backends."""
     B, T = tokens.shape
     positions = jnp.tile(jnp.arange(T, dtype=jnp.int32), B)
 
@@ -244,7 +260,7 @@ def train_logits(params: dict, cfg: ModelConfig, tokens: jax.Array, remat: bool 
         if layer_type == LINEAR_ATTENTION:
             h = jax.vmap(gdn_row, in_axes=(None, 0))(p["linear_attn"], h.reshape(B, T, -1)).reshape(B * T, -1)
         else:
-            h = _dense_causal_attention(p["self_attn"], cfg, h, positions, B, T)
+            h = TRAIN_ATTENTION[attention](p["self_attn"], cfg, h, positions, B, T)
         x = x + h
         h = rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
         h = moe(p["mlp"], cfg, h) if is_moe else mlp(p["mlp"], h)
@@ -259,13 +275,14 @@ def train_logits(params: dict, cfg: ModelConfig, tokens: jax.Array, remat: bool 
     return (x @ lm_head).astype(jnp.float32).reshape(B, T, -1)
 
 
-def loss_fn(params, cfg: ModelConfig, tokens, mask, compute_dtype, remat: bool = True, delta_precision: str = "highest"):
+def loss_fn(params, cfg: ModelConfig, tokens, mask, compute_dtype, remat: bool = True, delta_precision: str = "highest",
+            attention: str = "dense"):
     """Mean cross-entropy over answer tokens (mask on the predicted token), and two accuracies:
     over all answer tokens, and over each answer's FIRST token only. The first is flattering under
     teacher forcing (once a needle's first digits are given, the rest can be found by matching
     them); the second is the one greedy decoding lives on (which line / how large a result)."""
     p = jax.tree.map(lambda a: a.astype(compute_dtype), params)
-    logits = train_logits(p, cfg, tokens, remat, delta_precision)[:, :-1]
+    logits = train_logits(p, cfg, tokens, remat, delta_precision, attention)[:, :-1]
     targets, m = tokens[:, 1:], mask[:, 1:].astype(jnp.float32)
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
@@ -563,11 +580,11 @@ def make_train_state(params, lr: float, steps: int, warmup: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _step_fn(cfg: ModelConfig, cdtype, remat: bool, delta_precision: str = "highest"):
+def _step_fn(cfg: ModelConfig, cdtype, remat: bool, delta_precision: str = "highest", attention: str = "dense"):
     @partial(jax.jit, donate_argnums=(0,))
     def step_fn(state, tokens, mask):
         (loss, accs), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, cfg, tokens, mask, cdtype, remat,
-                                                                        delta_precision)
+                                                                        delta_precision, attention)
         return state.apply_gradients(grads=grads), loss, accs
 
     return step_fn
@@ -650,7 +667,7 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
           compute_dtype: str | None = None, kinds: tuple[str, ...] | None = None, stop_at: int | None = None,
           time_limit: float | None = None, data_workers: int = 0, init_from: str | Path | None = None,
           config_overrides: dict | None = None, profile: int = 0, delta_precision: str = "highest",
-          log=print) -> dict:
+          attention: str = "dense", log=print) -> dict:
     """Train (resuming from DIR/checkpoints if present) and export to DIR/export. Returns a summary
     (``final_params``: the trained pytree). ``kinds`` restricts the buckets to those task kinds;
     ``stop_at`` ends the run early after a checkpoint, without export (as a preempted run would);
@@ -669,13 +686,16 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
     full attention); unknown keys raise ValueError. ``profile`` > 0: after the last step, that many
     extra steps per bucket on copies of the state, timed per kernel (``profile_buckets``; the
     summary's ``profile``). ``delta_precision`` of the training delta rule's fp32 products
-    (``MATMUL_PRECISIONS``: "highest", or "default" = TF32 on a GPU)."""
+    (``MATMUL_PRECISIONS``: "highest", or "default" = TF32 on a GPU); ``attention`` its full-attention
+    backend (``TRAIN_ATTENTION``: "dense" softmax, or "fused" ``jax.nn.dot_product_attention``)."""
     import orbax.checkpoint as ocp
 
     from jaxserve.tokenizer import Tokenizer
 
     if delta_precision not in MATMUL_PRECISIONS:
         raise ValueError(f"delta_precision={delta_precision!r}; choose one of {sorted(MATMUL_PRECISIONS)}")
+    if attention not in TRAIN_ATTENTION:
+        raise ValueError(f"attention={attention!r}; choose one of {sorted(TRAIN_ATTENTION)}")
     if extend_vocab and init_from is None:
         raise ValueError("extend_vocab extends an --init-from export's tokenizer; a fresh run's already has the name tokens")
     out = Path(out)
@@ -717,7 +737,7 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
     log(f"model {config['model_type']}: {n_params / 1e6:.2f}M params ({2 * n_params / 2**20:.1f} MiB as bf16), "
         f"backend {jax.default_backend()}, compute {cdtype.name}, steps {start}..{steps}")
 
-    step_fn = _step_fn(cfg, cdtype, not smoke, delta_precision)  # smoke: short sequences, no need to rematerialise
+    step_fn = _step_fn(cfg, cdtype, not smoke, delta_precision, attention)  # smoke: short sequences, no need to rematerialise
     bks = buckets(smoke, batch_tokens)
     end = min(steps, stop_at) if stop_at is not None else steps
     batch = partial(batch_for_step, tokenizer_dir=str(export_dir), steps=steps, bks=bks, smoke=smoke,
@@ -793,6 +813,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="after training, N extra steps per bucket (on copies of the state) timed per GPU kernel")
     ap.add_argument("--delta-precision", choices=sorted(MATMUL_PRECISIONS), default="highest",
                     help="precision of the training delta rule's fp32 products (default: TF32 on a GPU)")
+    ap.add_argument("--train-attention", choices=sorted(TRAIN_ATTENTION), default="dense",
+                    help="full attention in training: dense softmax, or fused (jax.nn.dot_product_attention: cuDNN on a GPU)")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--init-from", metavar="EXPORT_DIR",
                     help="start from an earlier run's export instead of random weights (new optimiser state)")
@@ -826,7 +848,7 @@ def main(argv: list[str] | None = None) -> int:
                     kinds=tuple(args.kinds) if args.kinds else None, time_limit=args.time_limit,
                     data_workers=args.data_workers, init_from=args.init_from, extend_vocab=args.extend_vocab,
                     config_overrides=overrides or None, profile=args.profile,
-                    delta_precision=args.delta_precision)
+                    delta_precision=args.delta_precision, attention=args.train_attention)
     summary.pop("final_params")
     summary["train_wall_s"] = time.perf_counter() - t0
     print(json.dumps({"train": summary}), flush=True)
