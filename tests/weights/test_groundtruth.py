@@ -352,6 +352,19 @@ def test_smoke_training_lowers_loss_and_resumes_exactly(smoke_runs):
     assert full["profile"]["arithmetic[16x64]"]["tokens"] == 1024 and resumed["profile"] is None
 
 
+def test_needle_attention_diagnostic_reports_every_attention_head(smoke_runs):
+    from weights.groundtruth.needle_attention import needle_attention
+
+    full, _, _, _ = smoke_runs
+    cfg = load_model(full["export"], dtype="float32", progress=False).config
+    out = needle_attention(full["export"], probes=2, context=(30, 60))
+    assert len(out["layers"]) == cfg.layer_types.count("full_attention") and 0 < out["uniform_target"] <= 1
+    for layer in out["layers"]:
+        assert len(layer["target"]) == len(layer["lines"]) == len(layer["first_digit"]) == cfg.num_heads
+        for t, a, d in zip(layer["target"], layer["lines"], layer["first_digit"]):
+            assert 0 <= d <= t <= a <= 1.001  # the first digit is on the target line, itself a context line
+
+
 def test_init_from_an_export_starts_where_that_run_ended(smoke_runs, tmp_path):
     """--init-from: a fresh run (no checkpoints) whose params are the export's, and a model whose
     config differs is refused."""

@@ -158,18 +158,22 @@ def init_tensors(cfg: ModelConfig, seed: int, init_std: float = 0.02) -> dict[st
 # ---------------------------------------------------------------------------------------------
 
 
-def _dense_causal_attention(p, cfg: ModelConfig, x, positions, B: int, T: int):
-    q, k, v, gate = attention_in(p, cfg, x, positions)
+def causal_attention_weights(q, k, cfg: ModelConfig, B: int, T: int):
+    """Causal GQA softmax weights ``[B, kv_heads, group, T (query), T (key)]`` of q ``[B*T, nh, hd]``
+    and k ``[B*T, kv_heads, hd]`` (head h reads kv head h // group, as transformers' repeat_kv)."""
     nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     qg = q.reshape(B, T, nkv, nh // nkv, hd)
-    k = k.reshape(B, T, nkv, hd)
-    v = v.reshape(B, T, nkv, hd)
-    s = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32) * (hd ** -0.5)
-    causal = jnp.tril(jnp.ones((T, T), bool))
-    s = jnp.where(causal, s, -1e30)
-    w = jax.nn.softmax(s, axis=-1).astype(q.dtype)
+    s = jnp.einsum("bqkgd,bskd->bkgqs", qg, k.reshape(B, T, nkv, hd), preferred_element_type=jnp.float32) * (hd ** -0.5)
+    s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, -1e30)
+    return jax.nn.softmax(s, axis=-1).astype(q.dtype)
+
+
+def _dense_causal_attention(p, cfg: ModelConfig, x, positions, B: int, T: int):
+    q, k, v, gate = attention_in(p, cfg, x, positions)
+    w = causal_attention_weights(q, k, cfg, B, T)
+    v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
     out = jnp.einsum("bkgqs,bskd->bqkgd", w, v, preferred_element_type=jnp.float32).astype(q.dtype)
-    return attention_out(p, cfg, out.reshape(B * T, nh * hd), gate)
+    return attention_out(p, cfg, out.reshape(B * T, cfg.num_heads * cfg.head_dim), gate)
 
 
 def _fused_causal_attention(p, cfg: ModelConfig, x, positions, B: int, T: int):
@@ -247,8 +251,9 @@ def _gdn_train(p: dict, cfg: ModelConfig, x: jax.Array, precision: str = "highes
 def train_logits(params: dict, cfg: ModelConfig, tokens: jax.Array, remat: bool = True,
                  delta_precision: str = "highest", attention: str = "dense") -> jax.Array:
     """fp32 logits [B, T, V] of ``tokens`` [B, T], each row a fresh sequence at positions 0..T-1.
-    ``delta_precision`` (``MATMUL_PRECISIONS``) and ``attention`` (``TRAIN_ATTENTION``) pick the
-    training backends."""
+    ``delta_precision`` (``MATMUL_PRECISIONS``) and ``attention`` (a ``TRAIN_ATTENTION`` name, or a
+    function with their signature: ``needle_attention`` records weights with one) pick the training
+    backends."""
     B, T = tokens.shape
     positions = jnp.tile(jnp.arange(T, dtype=jnp.int32), B)
 
@@ -260,7 +265,7 @@ def train_logits(params: dict, cfg: ModelConfig, tokens: jax.Array, remat: bool 
         if layer_type == LINEAR_ATTENTION:
             h = jax.vmap(gdn_row, in_axes=(None, 0))(p["linear_attn"], h.reshape(B, T, -1)).reshape(B * T, -1)
         else:
-            h = TRAIN_ATTENTION[attention](p["self_attn"], cfg, h, positions, B, T)
+            h = TRAIN_ATTENTION.get(attention, attention)(p["self_attn"], cfg, h, positions, B, T)
         x = x + h
         h = rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
         h = moe(p["mlp"], cfg, h) if is_moe else mlp(p["mlp"], h)
