@@ -3,7 +3,8 @@
 # (a 7M-parameter model leaves most of an H200 idle: two runs side by side each kept ~90 % of
 # their solo speed in session 3). Each run stops after TRAIN_S seconds of training (checkpoint +
 # export, even if short of its steps); its export comes back as one tarball in $OUT, its log as
-# $OUT/NAME.log, and with PROBES > 0 held-out probes are evaluated on the GPU afterwards.
+# $OUT/NAME.log, followed by weights.groundtruth.needle_attention's look at its attention heads, and
+# with PROBES > 0 held-out probes are evaluated on the GPU afterwards.
 # Rerun on the same (still warm) machine with the same specs to continue from the checkpoints; a
 # fresh machine starts over, so size TRAIN_S to the call and keep the exports that come back.
 #   [PROBES=0] [TRAIN_ARGS=...] bash scripts/device/train_groundtruth.sh TRAIN_S CALL_LIMIT_S 'NAME=train.py args' ...
@@ -25,6 +26,8 @@ run() {  # name extra-args (one string, word-split)
     --time-limit "$train_s" --probes 0 ${TRAIN_ARGS:-} $extra >> "$OUT/$name.log" 2>&1
   if [ -f "runs/$name/export/model.safetensors" ]; then
     tar czf "$OUT/$name-export.tgz" -C "runs/$name" export  # one file: $OUT returns a few files only
+    # where the attention heads look on short needles (weights/groundtruth/needle_attention.py)
+    timeout $((limit - SECONDS)) python3 -m weights.groundtruth.needle_attention "runs/$name/export" >> "$OUT/$name.log" 2>&1
     [ "$probes" -gt 0 ] || return 0
     timeout $((limit - SECONDS)) python3 -c "
 import json
@@ -40,5 +43,6 @@ wait
 [ "${KEEP_CACHE:-0}" = 1 ] && [ -d runs/jax_cache ] && tar czf "$OUT/jax-cache.tgz" -C runs jax_cache
 for spec in "$@"; do
   n=${spec%%=*}
-  echo "== $n"; grep 'step .*/' "$OUT/$n.log" | tail -n 14 | cut -c1-200; grep -h '"eval"\|"train"\|Error' "$OUT/$n.log" | cut -c1-600
+  echo "== $n"; grep 'step .*/' "$OUT/$n.log" | tail -n 14 | cut -c1-200
+  grep -h '"eval"\|"train"\|"profile"\|"first_token_right"\|Error' "$OUT/$n.log" | cut -c1-600
 done
