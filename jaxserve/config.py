@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "kimi_linear")
 
 # Text-config model types map onto the family they belong to.
 _TEXT_MODEL_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
@@ -58,6 +58,23 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
     moe_layers: tuple[bool, ...] = ()
+    # Router: "softmax" top-k (Qwen) or "sigmoid" (Kimi-Linear / DeepSeek-V3: sigmoid scores plus a
+    # per-expert selection bias, the top ``topk_groups`` of ``num_expert_groups`` groups first, the
+    # weights scaled by ``routed_scaling_factor``); Qwen's shared expert has a sigmoid gate, Kimi's not.
+    router_scoring: str = "softmax"
+    num_expert_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_gate: bool = True
+
+    # Multi-head latent attention (kimi_linear; 0: plain attention). Keys are
+    # [k_nope (per head), k_rope (shared by the heads; Kimi-Linear applies no rotary to it)], so
+    # ``head_dim`` = qk_nope + qk_rope is the key/query dim and ``v_head_dim`` the value dim.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     # Gated DeltaNet layers.
     linear_conv_kernel: int = 4
@@ -66,6 +83,9 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     fused_linear_projections: bool = False  # qwen3_next: in_proj_qkvz/in_proj_ba; qwen3_5: split ones
+    # Kimi Delta Attention (kimi_linear): a per-channel decay [Hv, dk] from low-rank projections,
+    # separate q/k/v projections and convs, a sigmoid-gated output norm.
+    kda: bool = False
 
     eos_token_ids: tuple[int, ...] = ()
     max_position_embeddings: int = 32768
@@ -74,6 +94,15 @@ class ModelConfig:
     # Execution, not checkpoint: kernels or jnp references for the mixer backends (static under
     # jit): "auto" | "jnp" | "pallas" | "pallas-interpret"; jaxserve/models/backends.py says what each does.
     kernels: str = "auto"
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def value_head_dim(self) -> int:
+        """The attention value dim: ``head_dim`` except under MLA."""
+        return self.v_head_dim or self.head_dim
 
     @property
     def is_hybrid(self) -> bool:
@@ -173,7 +202,7 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
 
-        return cls(
+        fields = dict(
             model_type=family,
             vocab_size=need("vocab_size"),
             hidden_size=hidden,
@@ -208,3 +237,41 @@ class ModelConfig:
             max_position_embeddings=get("max_position_embeddings", 32768),
             has_vision_tower="vision_config" in raw,
         )
+        if family == "kimi_linear":
+            fields.update(_kimi_linear_fields(get, need, source, num_layers))
+        return cls(**fields)
+
+
+def _kimi_linear_fields(get, need, source: str, num_layers: int) -> dict[str, Any]:
+    """What Kimi-Linear's config.json (as transformers' ``KimiLinearConfig`` writes it) sets
+    differently from the Qwen hybrids: KDA linear layers, MLA full attention without rotary,
+    plain RMSNorm, sigmoid-routed experts with groups and a bias, an ungated shared expert."""
+    lin = get("linear_attn_config", {}) or {}
+    full = set(lin.get("full_attn_layers", []))  # 1-based, as the checkpoint lists them
+    layer_types = tuple(get("layer_types", [FULL_ATTENTION if i + 1 in full else LINEAR_ATTENTION
+                                            for i in range(num_layers)]))
+    first_dense = get("first_k_dense_replace", 0)
+    mlp_types = get("mlp_layer_types", ["dense" if i < first_dense else "sparse" for i in range(num_layers)])
+    if len(layer_types) != num_layers or len(mlp_types) != num_layers:
+        raise ConfigError(f"{source}: layer_types / mlp_layer_types must have {num_layers} entries")
+    heads = get("linear_num_heads", lin.get("num_heads", 0))
+    head_dim = get("linear_head_dim", lin.get("head_dim", 0))
+    nope, rope, v_dim = need("qk_nope_head_dim"), need("qk_rope_head_dim"), need("v_head_dim")
+    experts = get("num_experts", 0)
+    moe_inter = get("moe_intermediate_size", 0)
+    return dict(
+        layer_types=layer_types, attn_output_gate=False, zero_centered_norm=False, rotary_dim=0,
+        num_kv_heads=need("num_attention_heads"), head_dim=nope + rope,
+        q_lora_rank=get("q_lora_rank", 0), kv_lora_rank=need("kv_lora_rank"),
+        qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v_dim,
+        num_experts=experts, num_experts_per_tok=get("num_experts_per_token", 0) if experts else 0,
+        moe_intermediate_size=moe_inter if experts else 0,
+        shared_expert_intermediate_size=moe_inter * get("num_shared_experts", 0) if experts else 0,
+        norm_topk_prob=bool(get("moe_renormalize", True)),
+        moe_layers=tuple(bool(experts) and t == "sparse" for t in mlp_types),
+        router_scoring="sigmoid", num_expert_groups=get("num_expert_group", 1), topk_groups=get("topk_group", 1),
+        routed_scaling_factor=float(get("routed_scaling_factor", 1.0)), shared_expert_gate=False,
+        linear_conv_kernel=get("linear_conv_kernel_dim", lin.get("short_conv_kernel_size", 4)),
+        linear_num_key_heads=heads, linear_num_value_heads=heads,
+        linear_key_head_dim=head_dim, linear_value_head_dim=head_dim, kda=True,
+    )
