@@ -23,10 +23,12 @@ for group in "tests/cache tests/engine" "tests/models tests/pallas_kernels" \
              "tests/server tests/test_cli.py tests/test_tokenizer.py" \
              "tests/test_probe.py tests/test_probe_reference.py" "tests/weights"; do
   # shellcheck disable=SC2086
-  "$py" -m pytest -p no:cacheprovider $group "${skip[@]}" -k "not kernel-gdn_decode" || rc=$?
+  "$py" -m pytest -p no:cacheprovider $group "${skip[@]}" -k "not kernel-" || rc=$?
 done
 for f in "${interpreted[@]}"; do
   "$py" -m pytest -p no:cacheprovider "$f" || rc=$?
 done
-"$py" -m pytest -p no:cacheprovider tests/engine/test_runner.py -k "kernel-gdn_decode" || rc=$?
+for case in kernel-gdn_decode kernel-kda; do  # the runner's interpret-mode cases, one process each
+  "$py" -m pytest -p no:cacheprovider tests/engine/test_runner.py -k "$case" || rc=$?
+done
 exit $rc

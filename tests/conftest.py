@@ -22,6 +22,7 @@ CHECKPOINTS = [
     ("qwen3_5_moe", "moe"), ("qwen3_5_moe", "moe_tied"),
     ("qwen3_next", "moe"), ("qwen3_next", "sparse_step"), ("qwen3_next", "dense"),
     ("qwen3", "base"), ("qwen3", "untied"),
+    ("kimi_linear", "moe"), ("kimi_linear", "q_lora"),
 ]
 PROMPT_LEN, NEW_TOKENS = 100, 32
 # Checkpoints we ship (name -> folder), checked against transformers the same way, on a real chat prompt.

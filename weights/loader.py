@@ -192,11 +192,21 @@ def _skip_kind(name: str) -> str | None:
     return None
 
 
+# Kimi-Linear's checkpoints (and transformers' save_pretrained of KimiLinear) name the MoE block
+# ``block_sparse_moe`` and its experts' projections w1 (gate), w3 (up), w2 (down).
+_KIMI_EXPERT_RE = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w([123])\.weight$")
+_KIMI_W = {"1": "gate_proj", "3": "up_proj", "2": "down_proj"}
+
+
 def _canonical(name: str) -> str:
     for old, new in (("model.language_model.", "model."), ("language_model.model.", "model."),
                      ("language_model.lm_head.", "lm_head.")):
         if name.startswith(old):
-            return new + name[len(old):]
+            name = new + name[len(old):]
+            break
+    if ".block_sparse_moe." in name:
+        name = _KIMI_EXPERT_RE.sub(lambda m: f".block_sparse_moe.experts.{m[1]}.{_KIMI_W[m[2]]}.weight", name)
+        name = name.replace(".block_sparse_moe.", ".mlp.")
     return name
 
 

@@ -65,6 +65,26 @@ VARIANTS: dict[str, dict[str, tuple[dict, bool]]] = {
     },
 }
 
+# Kimi-Linear: KDA linear layers (3 of 4), MLA full attention, sigmoid-routed grouped experts with
+# a selection bias (drawn at random below: transformers initialises it to zero, which would leave
+# the bias path untested), shared experts, dense first layers.
+KIMI_BASE = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=4, rms_norm_eps=1e-5, initializer_range=INIT_RANGE, tie_word_embeddings=False,
+    kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=32,
+    linear_attn_config={"kda_layers": [1, 2, 3], "full_attn_layers": [4], "head_dim": 16, "num_heads": 4,
+                        "short_conv_kernel_size": 4},
+    pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
+VARIANTS["kimi_linear"] = {
+    "moe": ({"q_lora_rank": None, "num_experts": 4, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+             "first_k_dense_replace": 1, "n_shared_experts": 1}, False),
+    "q_lora": ({"q_lora_rank": 24, "num_experts": 8, "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2,
+                "first_k_dense_replace": 0, "n_shared_experts": 2, "routed_scaling_factor": 1.5,
+                "linear_attn_config": {"kda_layers": [1, 3, 4], "full_attn_layers": [2], "head_dim": 16,
+                                       "num_heads": 2, "short_conv_kernel_size": 4}}, False),
+}
+
 QWEN3_BASE = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
     num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, max_position_embeddings=4096,
@@ -81,6 +101,13 @@ def _build(family: str, variant: str, seed: int):
     if family == "qwen3":
         cfg = tf.Qwen3Config(**{**QWEN3_BASE, **overrides})
         return tf.Qwen3ForCausalLM(cfg)
+    if family == "kimi_linear":
+        model = tf.KimiLinearForCausalLM(tf.KimiLinearConfig(**{**KIMI_BASE, **overrides}))
+        with torch.no_grad():
+            for name, buf in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buf.normal_(0.0, 0.1)
+        return model
     text_kwargs = {**HYBRID_BASE, **overrides}
     if family == "qwen3_next":
         return tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(**text_kwargs))

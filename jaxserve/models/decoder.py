@@ -68,9 +68,10 @@ def pool_shapes(cfg: ModelConfig, dtype, kv_lead: tuple[int, int], num_slots: in
     (batch, max_len) for the dense state. The conv state keeps the model dtype (its inputs are
     model-dtype activations, so nothing is lost); the recurrent state is fp32 (it accumulates)."""
     n_attn, n_linear = num_layers_of_kind(cfg)
-    kv = jax.ShapeDtypeStruct((n_attn, *kv_lead, cfg.num_kv_heads, cfg.head_dim), dtype)
+    k = jax.ShapeDtypeStruct((n_attn, *kv_lead, cfg.num_kv_heads, cfg.head_dim), dtype)
+    v = jax.ShapeDtypeStruct((n_attn, *kv_lead, cfg.num_kv_heads, cfg.value_head_dim), dtype)  # MLA: != k's
     conv, rec = gated_deltanet.state_shapes(cfg, n_linear, num_slots if n_linear else 0)
-    return Pools(kv, kv, jax.ShapeDtypeStruct(conv, dtype), jax.ShapeDtypeStruct(rec, jnp.float32))
+    return Pools(k, v, jax.ShapeDtypeStruct(conv, dtype), jax.ShapeDtypeStruct(rec, jnp.float32))
 
 
 def zeros(shapes: Pools) -> Pools:
@@ -147,7 +148,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
     r = make_ragged(positions.reshape(-1).astype(jnp.int32), jnp.arange(B + 1, dtype=jnp.int32) * T,
                     positions[:, 0].astype(jnp.int32), page_table, rows, rows)
     paged = state._replace(k=state.k.reshape(n_attn, B * per_row, ps, kvh, hd),
-                           v=state.v.reshape(n_attn, B * per_row, ps, kvh, hd))
+                           v=state.v.reshape(n_attn, B * per_row, ps, kvh, state.v.shape[-1]))
     logits, paged = forward_ragged(params, cfg, tokens.reshape(-1), r, paged, decode=T == 1, last_only=last_only)
     new_state = paged._replace(k=paged.k.reshape(state.k.shape), v=paged.v.reshape(state.v.shape))
     return (logits if last_only else logits.reshape(B, T, -1)), new_state

@@ -1,8 +1,12 @@
-"""The Gated DeltaNet token mixer of the hybrid families (Qwen3.5, Qwen3.5-MoE, Qwen3-Next).
+"""The linear-attention token mixer of the hybrid families: Gated DeltaNet (Qwen3.5, Qwen3.5-MoE,
+Qwen3-Next) and Kimi Delta Attention (Kimi-Linear, ``cfg.kda``).
 
 in_proj_qkv -> short causal conv (SiLU) -> split q, k, v -> gated delta rule -> gated RMSNorm with
 in_proj_z -> out_proj. Qwen3-Next's fused ``in_proj_qkvz`` / ``in_proj_ba`` are permuted into this
-split layout when the checkpoint is loaded (weights/), so there is one forward for both.
+split layout when the checkpoint is loaded (weights/), so there is one forward for both. KDA is the
+same pipeline with Kimi's projections (``project``: separate q/k/v projections and convs, loaded as
+one; a per-channel decay ``g`` [T, Hv, dk] from a low-rank projection; a low-rank output gate) and a
+sigmoid-gated output norm (``output``); the state, the pools, the backends and the kernels are shared.
 
 State lives in a slot pool shared by all GDN layers (``layers.Ragged`` says how rows name slots):
 ``conv`` [layers, slots, conv_dim, K-1] (the last K-1 conv inputs, oldest first, model dtype) and
@@ -32,6 +36,7 @@ from jaxserve.models.layers import Ragged, gated_rms_norm, linear
 from pallas_kernels import conv1d, gdn_chunked, gdn_decode, gdn_reference
 from pallas_kernels.conv1d_reference import causal_conv1d_prefill, causal_conv1d_update
 from pallas_kernels.gdn_reference import gdn_recurrent
+from pallas_kernels.kda_reference import kda_chunked, kda_recurrent
 
 
 def state_shapes(cfg: ModelConfig, num_layers: int, num_slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -80,9 +85,10 @@ def use_conv_kernel(cfg: ModelConfig) -> bool:
 
 
 def _one_token_rule(q, k, v, g, beta, state):
-    """One token of one sequence (vmapped over the decode batch)."""
-    o, final, _ = gdn_recurrent(q[None], k[None], v[None], g[None], beta[None],
-                                cu_seqlens=jnp.array([0, 1], jnp.int32), initial_state=state[None])
+    """One token of one sequence (vmapped over the decode batch); ``g`` [Hv] (GDN) or [Hv, dk] (KDA)."""
+    recurrent = kda_recurrent if g.ndim == 2 else gdn_recurrent
+    o, final, _ = recurrent(q[None], k[None], v[None], g[None], beta[None],
+                            cu_seqlens=jnp.array([0, 1], jnp.int32), initial_state=state[None])
     return o[0], final[0]
 
 
@@ -91,8 +97,8 @@ def _delta_rule(cfg: ModelConfig, q, k, v, g, beta, init, r: Ragged, decode: boo
     if decode:
         o, final = jax.vmap(_one_token_rule)(q, k, v, g, beta, init)
         return o, final, _decode_snapshots(init, final, r)
-    chunked = gdn_reference.gdn_chunked
-    if use_prefill_kernel(cfg):
+    chunked = kda_chunked if cfg.kda else gdn_reference.gdn_chunked
+    if use_prefill_kernel(cfg):  # takes g [T, Hv] (GDN) or [T, Hv, dk] (KDA)
         chunked = functools.partial(gdn_chunked.gdn_chunked_pallas, interpret=backends.interpret(cfg))
     return chunked(q, k, v, g, beta, cu_seqlens=r.cu_seqlens, initial_state=init, start_pos=r.context_len,
                    snapshot_seq=r.snap_seq, snapshot_len=r.snap_len)
@@ -150,8 +156,18 @@ def _store(pool: jax.Array, layer: int, r: Ragged, final: jax.Array, snaps: jax.
 
 def project(p: dict, cfg: ModelConfig, x: jax.Array):
     """The input projections of x [T, H]: ``mixed`` [T, conv_dim] (q, k, v before the short conv),
-    ``z`` [T, Hv, dv] (the output gate), ``beta`` [T, Hv] and the log-decay ``g`` [T, Hv], both fp32."""
+    ``z`` [T, Hv, dv] (the output gate), ``beta`` [T, Hv] and the log-decay ``g``, both fp32:
+    [T, Hv] for GDN, per channel [T, Hv, dk] for KDA (low-rank ``f_b(f_a(x))`` plus ``dt_bias``)."""
     T = x.shape[0]
+    if cfg.kda:
+        h, d = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        mixed = linear(x, p["in_proj_qkv"])
+        z = linear(linear(x, p["g_a"]), p["g_b"]).reshape(T, h, d)
+        beta = jax.nn.sigmoid(linear(x, p["b"]).astype(jnp.float32))
+        f = linear(linear(x, p["f_a"]), p["f_b"]).astype(jnp.float32).reshape(T, h, d)
+        a = f + p["dt_bias"].astype(jnp.float32)
+        g = -jnp.exp(p["A_log"].astype(jnp.float32))[:, None] * jax.nn.softplus(a)
+        return mixed, z, beta, g
     mixed = linear(x, p["in_proj_qkv"])
     z = linear(x, p["in_proj_z"]).reshape(T, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
     beta = jax.nn.sigmoid(linear(x, p["in_proj_b"]).astype(jnp.float32))
@@ -170,8 +186,9 @@ def split_qkv(cfg: ModelConfig, mixed: jax.Array):
 
 
 def output(p: dict, cfg: ModelConfig, o: jax.Array, z: jax.Array) -> jax.Array:
-    """Gated RMSNorm of the delta-rule output o [T, Hv, dv] with z, then out_proj -> [T, H]."""
-    o = gated_rms_norm(o, z, p["norm"], cfg.rms_norm_eps)
+    """Gated RMSNorm of the delta-rule output o [T, Hv, dv] with z, then out_proj -> [T, H]
+    (GDN: norm, weight, silu gate; KDA: the same in fp32 throughout with a sigmoid gate)."""
+    o = gated_rms_norm(o, z, p["norm"], cfg.rms_norm_eps, kda=cfg.kda)
     return linear(o.reshape(o.shape[0], -1), p["out_proj"])
 
 

@@ -73,11 +73,14 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, zero_centered: bool) -
     return weight * normed.astype(x.dtype)
 
 
-def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """The GDN output norm: RMSNorm(x) * w, then * silu(gate) in fp32 (norm before gate)."""
+def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float, kda: bool = False) -> jax.Array:
+    """The GDN output norm: RMSNorm(x) * w, then * silu(gate) in fp32 (norm before gate). KDA's
+    (Kimi-Linear's ``RMSNormGated``): no cast back between norm and weight, a sigmoid gate."""
     xf = x.astype(jnp.float32)
-    normed = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
-    out = (weight * normed).astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if kda:
+        return (weight.astype(jnp.float32) * normed * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype)
+    out = (weight * normed.astype(x.dtype)).astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))
     return out.astype(x.dtype)
 
 
@@ -107,9 +110,33 @@ def linear(x: jax.Array, p: dict) -> jax.Array:
 # ----------------------------------------------------------------------------------------------
 
 
+MLA_NORM_EPS = 1e-6  # Kimi-Linear's q_a / kv_a layernorms keep RMSNorm's default eps, not the config's
+
+
+def mla_in(p: dict, cfg: ModelConfig, x: jax.Array):
+    """Multi-head latent attention's q, k, v (Kimi-Linear: no rotary anywhere). x [T, H] -> q, k
+    [T, nh, nope + rope] and v [T, nh, v_dim]: the latent ``kv_a_proj_with_mqa(x)`` is a normed
+    [kv_lora] part, expanded per head by ``kv_b_proj`` into k_nope and v, and a [rope] part shared
+    by every head as the rest of its key."""
+    T, nh = x.shape[0], cfg.num_heads
+    nope, rope, lora = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    if cfg.q_lora_rank:
+        q = linear(rms_norm(linear(x, p["q_a_proj"]), p["q_a_layernorm"], MLA_NORM_EPS, False), p["q_b_proj"])
+    else:
+        q = linear(x, p["q_proj"])
+    latent = linear(x, p["kv_a_proj_with_mqa"])
+    kv = linear(rms_norm(latent[:, :lora], p["kv_a_layernorm"], MLA_NORM_EPS, False), p["kv_b_proj"])
+    kv = kv.reshape(T, nh, nope + cfg.v_head_dim)
+    k = jnp.concatenate([kv[..., :nope], jnp.broadcast_to(latent[:, None, lora:], (T, nh, rope))], axis=-1)
+    return q.reshape(T, nh, nope + rope), k, kv[..., nope:]
+
+
 def attention_in(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array):
     """q/k/v projections, q/k norm, partial RoPE. x [T, H] -> q [T, nh, hd], k/v [T, kvh, hd],
-    and the sigmoid output gate's pre-activation [T, nh*hd] (None when the family has none)."""
+    and the sigmoid output gate's pre-activation [T, nh*hd] (None when the family has none).
+    Under MLA (``mla_in``) v's last dim is ``v_head_dim``."""
+    if cfg.is_mla:
+        return (*mla_in(p, cfg, x), None)
     T = x.shape[0]
     nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q = linear(x, p["q_proj"])
@@ -151,7 +178,7 @@ def paged_attention(q, k, v, k_pool, v_pool, layer: int, r: Ragged, window: int 
     masked values are zeroed before use so whatever the null page holds never reaches a real row.
     """
     T, nh, hd = q.shape
-    nkv = k.shape[1]
+    nkv, vd = k.shape[1], v.shape[-1]  # vd != hd under MLA
     page_size = k_pool.shape[2]
     n_rows = r.num_rows
     row = jnp.minimum(r.seq, n_rows - 1)
@@ -173,7 +200,7 @@ def paged_attention(q, k, v, k_pool, v_pool, layer: int, r: Ragged, window: int 
         m, l, acc, k_pool, v_pool = carry
         ids = lax.dynamic_slice_in_dim(pages, j * block_pages, block_pages, axis=1)  # [T, bp]
         kb = k_pool[layer, ids].reshape(T, KEY_BLOCK, nkv, hd)
-        vb = v_pool[layer, ids].reshape(T, KEY_BLOCK, nkv, hd)
+        vb = v_pool[layer, ids].reshape(T, KEY_BLOCK, nkv, vd)
         k_pos = j * KEY_BLOCK + jnp.arange(KEY_BLOCK)[None, :]
         visible = k_pos <= q_pos  # [T, KB]
         if window is not None:
@@ -192,9 +219,9 @@ def paged_attention(q, k, v, k_pool, v_pool, layer: int, r: Ragged, window: int 
     # pool merely closed over would stay live beside the loop's own copy, and XLA would copy the
     # whole pool (every layer's KV) per layer per step.
     init = (jnp.full((T, nkv, groups), neg), jnp.zeros((T, nkv, groups), jnp.float32),
-            jnp.zeros((T, nkv, groups, hd), jnp.float32), k_pool, v_pool)
+            jnp.zeros((T, nkv, groups, vd), jnp.float32), k_pool, v_pool)
     _, l, acc, k_pool, v_pool = lax.fori_loop(0, n_blocks, block, init)
-    out = (acc / l[..., None]).astype(q.dtype).reshape(T, nh * hd)
+    out = (acc / l[..., None]).astype(q.dtype).reshape(T, nh * vd)
     return out, k_pool, v_pool
 
 
@@ -216,7 +243,8 @@ def use_attention_kernel(cfg: ModelConfig, act_dtype, page_size: int) -> bool:
     """Static: the Mosaic GPU paged kernel (``pallas_kernels.paged_attention``) or ``paged_attention``
     above (``backends``)."""
     gpu = not backends.interpret(cfg)
-    fits = paged_attention_kernel.supports(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size, act_dtype, gpu=gpu)
+    fits = (cfg.value_head_dim == cfg.head_dim
+            and paged_attention_kernel.supports(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size, act_dtype, gpu=gpu))
     return backends.use_kernel(cfg, "paged_attention", fits, f"{cfg.num_heads} q / {cfg.num_kv_heads} kv heads of "
                                f"dim {cfg.head_dim}, page size {page_size}, {jnp.dtype(act_dtype).name}",
                                auto_ok=cfg.head_dim in paged_attention_kernel.AUTO_HEAD_DIMS)
@@ -232,8 +260,36 @@ def mlp(p: dict, x: jax.Array) -> jax.Array:
     return linear(jax.nn.silu(linear(x, p["gate_proj"])) * linear(x, p["up_proj"]), p["down_proj"])
 
 
+def route(p: dict, cfg: ModelConfig, xt: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(weights [n, k] fp32, expert ids [n, k]) of each token. Qwen: softmax over the experts,
+    top-k, optionally renormalised. Kimi-Linear (``router_scoring == "sigmoid"``, DeepSeek-V3's
+    scheme): sigmoid scores in fp32; the choice adds the per-expert bias and keeps only the
+    ``topk_groups`` groups whose two best biased scores sum highest; the weights are the unbiased
+    scores of the chosen experts, renormalised (``norm_topk_prob``) and scaled."""
+    k, e = cfg.num_experts_per_tok, cfg.num_experts
+    if cfg.router_scoring != "sigmoid":
+        probs = jax.nn.softmax((xt @ p["router"]).astype(jnp.float32), axis=-1)
+        top_w, top_i = jax.lax.top_k(probs, k)
+        if cfg.norm_topk_prob:
+            top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+        return top_w, top_i
+    n, G = xt.shape[0], cfg.num_expert_groups
+    scores = jax.nn.sigmoid(xt.astype(jnp.float32) @ p["router"].astype(jnp.float32))
+    choice = scores + p["router_bias"].astype(jnp.float32)
+    group_best = jax.lax.top_k(choice.reshape(n, G, e // G), 2)[0].sum(-1)  # [n, G]
+    _, groups = jax.lax.top_k(group_best, cfg.topk_groups)
+    kept = jnp.zeros((n, G), bool).at[jnp.arange(n)[:, None], groups].set(True)
+    choice = jnp.where(jnp.repeat(kept, e // G, axis=1), choice, -jnp.inf)
+    _, top_i = jax.lax.top_k(choice, k)
+    top_w = jnp.take_along_axis(scores, top_i, axis=1)
+    if cfg.norm_topk_prob:
+        top_w = top_w / (jnp.sum(top_w, axis=-1, keepdims=True) + 1e-20)
+    return top_w * cfg.routed_scaling_factor, top_i
+
+
 def moe(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    """Top-k routed experts plus a sigmoid-gated shared expert (Qwen3-Next / Qwen3.5-MoE).
+    """Top-k routed experts (``route``) plus a shared expert: sigmoid-gated (Qwen3-Next /
+    Qwen3.5-MoE) or not (Kimi-Linear).
 
     Tokens are sorted by expert and run through ``lax.ragged_dot`` so each expert's weights are
     applied only to the tokens routed to it; the results are weighted and summed back per token.
@@ -242,11 +298,7 @@ def moe(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     shape = x.shape
     xt = x.reshape(-1, shape[-1])
     n, k, e = xt.shape[0], cfg.num_experts_per_tok, cfg.num_experts
-    router_logits = (xt @ p["router"]).astype(jnp.float32)
-    probs = jax.nn.softmax(router_logits, axis=-1)
-    top_w, top_i = jax.lax.top_k(probs, k)
-    if cfg.norm_topk_prob:
-        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+    top_w, top_i = route(p, cfg, xt)
     top_w = top_w.astype(x.dtype)
 
     flat_expert = top_i.reshape(-1)
@@ -260,5 +312,7 @@ def moe(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     hs = hs * top_w.reshape(-1)[order][:, None]
     routed = jax.ops.segment_sum(hs, token_of, num_segments=n)
 
-    shared = mlp(p["shared_expert"], xt) * jax.nn.sigmoid(xt @ p["shared_expert_gate"])
+    shared = mlp(p["shared_expert"], xt)
+    if cfg.shared_expert_gate:
+        shared = shared * jax.nn.sigmoid(xt @ p["shared_expert_gate"])
     return (routed + shared).astype(x.dtype).reshape(shape)

@@ -35,6 +35,38 @@ def _mlp_shapes(prefix: str, hidden: int, inter: int) -> dict[str, tuple[int, ..
     }
 
 
+def _kda_shapes(la: str, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Kimi Delta Attention (kimi_linear's linear layers, under ``self_attn``)."""
+    H, h, d = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    shapes: dict[str, tuple[int, ...]] = {}
+    for x in ("q", "k", "v"):
+        shapes.update(_linear_shapes(f"{la}.{x}_proj", h * d, H))
+        shapes[f"{la}.{x}_conv1d.weight"] = (h * d, 1, cfg.linear_conv_kernel)
+    shapes.update({f"{la}.A_log": (1, 1, h, 1), f"{la}.dt_bias": (h * d,), f"{la}.o_norm.weight": (d,)})
+    for name, out_dim, in_dim in (("f_a_proj", d, H), ("f_b_proj", h * d, d), ("b_proj", h, H),
+                                  ("g_a_proj", d, H), ("g_b_proj", h * d, d), ("o_proj", H, h * d)):
+        shapes.update(_linear_shapes(f"{la}.{name}", out_dim, in_dim))
+    return shapes
+
+
+def _mla_shapes(sa: str, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Multi-head latent attention (kimi_linear's full-attention layers)."""
+    H, nh, qk = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {}
+    if cfg.q_lora_rank:
+        shapes.update(_linear_shapes(f"{sa}.q_a_proj", cfg.q_lora_rank, H, cfg.attention_bias))
+        shapes[f"{sa}.q_a_layernorm.weight"] = (cfg.q_lora_rank,)
+        shapes.update(_linear_shapes(f"{sa}.q_b_proj", nh * qk, cfg.q_lora_rank))
+    else:
+        shapes.update(_linear_shapes(f"{sa}.q_proj", nh * qk, H))
+    shapes.update(_linear_shapes(f"{sa}.kv_a_proj_with_mqa", cfg.kv_lora_rank + cfg.qk_rope_head_dim, H,
+                                 cfg.attention_bias))
+    shapes[f"{sa}.kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
+    shapes.update(_linear_shapes(f"{sa}.kv_b_proj", nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank))
+    shapes.update(_linear_shapes(f"{sa}.o_proj", H, nh * cfg.v_head_dim, cfg.attention_bias))
+    return shapes
+
+
 def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every canonical tensor name the checkpoint must contain, with its shape."""
     H = cfg.hidden_size
@@ -45,7 +77,11 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         pre = f"model.layers.{i}"
         shapes[f"{pre}.input_layernorm.weight"] = (H,)
         shapes[f"{pre}.post_attention_layernorm.weight"] = (H,)
-        if layer_type == LINEAR_ATTENTION:
+        if layer_type == LINEAR_ATTENTION and cfg.kda:
+            shapes.update(_kda_shapes(f"{pre}.self_attn", cfg))
+        elif cfg.is_mla:
+            shapes.update(_mla_shapes(f"{pre}.self_attn", cfg))
+        elif layer_type == LINEAR_ATTENTION:
             la = f"{pre}.linear_attn"
             hv, vd, kd = cfg.linear_num_value_heads, cfg.linear_value_dim, cfg.linear_key_dim
             if cfg.fused_linear_projections:
@@ -75,8 +111,13 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{pre}.mlp.gate.weight"] = (E, H)
             shapes[f"{pre}.mlp.experts.gate_up_proj"] = (E, 2 * inter, H)
             shapes[f"{pre}.mlp.experts.down_proj"] = (E, H, inter)
-            shapes.update(_mlp_shapes(f"{pre}.mlp.shared_expert", H, cfg.shared_expert_intermediate_size))
-            shapes[f"{pre}.mlp.shared_expert_gate.weight"] = (1, H)
+            if cfg.shared_expert_gate:  # Qwen: one sigmoid-gated shared expert
+                shapes.update(_mlp_shapes(f"{pre}.mlp.shared_expert", H, cfg.shared_expert_intermediate_size))
+                shapes[f"{pre}.mlp.shared_expert_gate.weight"] = (1, H)
+            else:  # Kimi: shared experts (one MLP of n times the width), ungated; a selection bias
+                shapes.update(_mlp_shapes(f"{pre}.mlp.shared_experts", H, cfg.shared_expert_intermediate_size))
+            if cfg.router_scoring == "sigmoid":
+                shapes[f"{pre}.mlp.gate.e_score_correction_bias"] = (E,)
         else:
             shapes.update(_mlp_shapes(f"{pre}.mlp", H, cfg.intermediate_size))
     return shapes
@@ -97,6 +138,26 @@ def _unfuse_qwen3_next(cfg: ModelConfig, qkvz: np.ndarray, ba: np.ndarray) -> di
         "in_proj_z": flat(z),
         "in_proj_b": flat(b),
         "in_proj_a": flat(a),
+    }
+
+
+def _kda_params(la: str, cfg: ModelConfig, t: Mapping[str, np.ndarray], lin, to_device) -> dict:
+    """Kimi Delta Attention into the GDN layer's pytree keys where the math is shared: the q, k, v
+    projections as one ``in_proj_qkv`` and their three depthwise convs as one ``conv_w`` (a
+    depthwise conv of concatenated channels is the three convs), ``norm`` / ``out_proj``; plus the
+    low-rank forget gate (``f_a``, ``f_b``, ``dt_bias`` [Hv, dk]), ``b_proj`` and the output gate
+    (``g_a``, ``g_b``)."""
+    h, d = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    qkv = np.concatenate([t[f"{la}.{x}_proj.weight"] for x in ("q", "k", "v")], axis=0)
+    conv = np.concatenate([t[f"{la}.{x}_conv1d.weight"][:, 0, :] for x in ("q", "k", "v")], axis=0)
+    return {
+        "in_proj_qkv": {"w": to_device(np.ascontiguousarray(qkv.T))},
+        "conv_w": to_device(np.ascontiguousarray(conv)),
+        "A_log": to_device(t[f"{la}.A_log"].reshape(h)),
+        "dt_bias": to_device(t[f"{la}.dt_bias"].reshape(h, d)),
+        "norm": to_device(t[f"{la}.o_norm.weight"]),
+        **{k: lin(f"{la}.{k}_proj") for k in ("f_a", "f_b", "b", "g_a", "g_b")},
+        "out_proj": lin(f"{la}.o_proj"),
     }
 
 
@@ -124,7 +185,17 @@ def build_params(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], to_device)
             "input_layernorm": to_device(t[f"{pre}.input_layernorm.weight"]),
             "post_attention_layernorm": to_device(t[f"{pre}.post_attention_layernorm.weight"]),
         }
-        if layer_type == LINEAR_ATTENTION:
+        if layer_type == LINEAR_ATTENTION and cfg.kda:
+            layer["linear_attn"] = _kda_params(f"{pre}.self_attn", cfg, t, lin, to_device)
+        elif cfg.is_mla:
+            sa = f"{pre}.self_attn"
+            names = ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+            names += ["q_a_proj", "q_b_proj"] if cfg.q_lora_rank else ["q_proj"]
+            layer["self_attn"] = {k: lin(f"{sa}.{k}") for k in names}
+            layer["self_attn"]["kv_a_layernorm"] = to_device(t[f"{sa}.kv_a_layernorm.weight"])
+            if cfg.q_lora_rank:
+                layer["self_attn"]["q_a_layernorm"] = to_device(t[f"{sa}.q_a_layernorm.weight"])
+        elif layer_type == LINEAR_ATTENTION:
             la = f"{pre}.linear_attn"
             if cfg.fused_linear_projections:
                 split = _unfuse_qwen3_next(cfg, t[f"{la}.in_proj_qkvz.weight"], t[f"{la}.in_proj_ba.weight"])
@@ -151,9 +222,14 @@ def build_params(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], to_device)
                 "router": to_device(np.ascontiguousarray(t[f"{m}.gate.weight"].T)),
                 "gate_up": to_device(np.ascontiguousarray(t[f"{m}.experts.gate_up_proj"].transpose(0, 2, 1))),
                 "down": to_device(np.ascontiguousarray(t[f"{m}.experts.down_proj"].transpose(0, 2, 1))),
-                "shared_expert": mlp_params(f"{m}.shared_expert"),
-                "shared_expert_gate": to_device(np.ascontiguousarray(t[f"{m}.shared_expert_gate.weight"].T)),
             }
+            if cfg.shared_expert_gate:
+                layer["mlp"]["shared_expert"] = mlp_params(f"{m}.shared_expert")
+                layer["mlp"]["shared_expert_gate"] = to_device(np.ascontiguousarray(t[f"{m}.shared_expert_gate.weight"].T))
+            else:
+                layer["mlp"]["shared_expert"] = mlp_params(f"{m}.shared_experts")
+            if cfg.router_scoring == "sigmoid":
+                layer["mlp"]["router_bias"] = to_device(t[f"{m}.gate.e_score_correction_bias"])
         else:
             layer["mlp"] = mlp_params(f"{pre}.mlp")
         layers.append(layer)

@@ -17,7 +17,7 @@ from jaxserve.engine.llm import LLM
 from jaxserve.generate import SamplingParams, generate
 from tests.engine.checks import assert_pools_free_after_flush, drive
 
-FAMILIES = ["qwen3_5-dense", "qwen3_5_moe-moe", "qwen3_next-moe", "qwen3-base"]
+FAMILIES = ["qwen3_5-dense", "qwen3_5_moe-moe", "qwen3_next-moe", "qwen3-base", "kimi_linear-moe"]
 VOCAB = 500  # the tiny checkpoints' vocab is 512; stay below the special tokens
 
 

@@ -327,7 +327,8 @@ def test_error_bad_dtype_argument(tmp_path, good):
 # attention biases; the qwen3_5 multimodal wrapper (language_model prefix + vision tower); per-expert
 # MoE with tied embeddings; qwen3_next's fused GDN projections with MoE and dense layers mixed. The
 # model differential tests (tests/models) load every variant through load_model as well.
-TRANSFORMERS_CHECKPOINTS = [("qwen3", "untied"), ("qwen3_5", "vl"), ("qwen3_5_moe", "moe_tied"), ("qwen3_next", "sparse_step")]
+TRANSFORMERS_CHECKPOINTS = [("qwen3", "untied"), ("qwen3_5", "vl"), ("qwen3_5_moe", "moe_tied"), ("qwen3_next", "sparse_step"),
+                            ("kimi_linear", "q_lora")]
 
 
 @pytest.fixture(scope="module")
@@ -358,9 +359,14 @@ def test_transformers_checkpoint_loads(hf_dir, capfd, family, variant):
     stored = _stored_tensors(folder)
     plain = {k.replace("model.language_model.", "model."): v for k, v in stored.items() if "visual" not in k}
     # What transformers v5 writes: per-expert MoE tensors (it fuses them only in memory).
-    if model.config.num_experts:
+    if model.config.num_experts and family == "kimi_linear":
+        # Kimi-Linear's own names: block_sparse_moe, experts' w1 (gate), w3 (up), w2 (down)
+        e0, mlp = "model.layers.1.block_sparse_moe.experts.0", model.params["layers"][1]["mlp"]
+        np.testing.assert_array_equal(mlp["gate_up"][0], np.concatenate([plain[f"{e0}.w1.weight"], plain[f"{e0}.w3.weight"]]).T)
+        np.testing.assert_array_equal(mlp["down"][0], plain[f"{e0}.w2.weight"].T)
+    elif model.config.num_experts:
         assert "model.layers.1.mlp.experts.0.gate_proj.weight" in plain
-        assert not any(k.endswith("gate_up_proj") for k in plain)
+    assert not any(k.endswith("gate_up_proj") for k in plain)
     assert_tree_equal(model.params, reference_params(model.config, load_tensors(
         folder, hf_shapes(model.config), tie_word_embeddings=model.config.tie_word_embeddings), np.float32))
     np.testing.assert_array_equal(model.params["embed"], plain["model.embed_tokens.weight"])
