@@ -87,6 +87,26 @@ def test_needle_training_follow_ups_ask_about_the_same_context(tok):
     assert all(len(p.messages) == 1 for p in tasks.probes(3, needle_tokens=(100, 200)) if p.kind == "needle")
 
 
+def test_echo_restates_context_lines_and_supervises_only_their_codes(tok):
+    rng = random.Random(5)
+    for _ in range(20):
+        segs = tasks.needle_echo(rng, rng.randint(20, 300), _count(tok))
+        text = "".join(t for t, _ in segs)
+        context, echoes = text.split("\n\n")
+        codes = dict(re.findall(r"The code for ([A-Z][a-z]+) is (\d{6})\.", context))
+        restated = re.findall(r"The code for ([A-Z][a-z]+) is (\d{6})\.", echoes)
+        assert 1 <= len(restated) <= 8 and len({n for n, _ in restated}) == len(restated)
+        assert all(codes[n] == c for n, c in restated)
+        ids, mask = tasks.encode_segments(tok, segs)
+        assert ids.tolist() == tok.encode(text)  # segment boundaries are pre-tokeniser boundaries
+        assert tok.decode(ids[mask == 1].tolist()) == "".join(c for _, c in restated)
+    # a training-only kind: in the bucket cycle only when asked for, never among the probes
+    bks = train.buckets(False, 65536)
+    kinds = lambda ks: {train.bucket_for_step(s, 100, bks, False, 0.0, ks)["kind"] for s in range(40)}  # noqa: E731
+    assert kinds(None) == set(tasks.KINDS) and kinds(("needle", "echo")) == {"needle", "echo"}
+    assert "echo" not in tasks.KINDS
+
+
 def test_training_arithmetic_mixes_digit_counts_probes_stay_uniform():
     rng = random.Random(4)
     ops = [int(x) for _ in range(400)

@@ -25,6 +25,8 @@ from typing import Callable
 import numpy as np
 
 KINDS = ("arithmetic", "needle", "recall")
+# Training-only kinds (no probes, no chat template): see ``needle_echo``.
+TRAIN_KINDS = KINDS + ("echo",)
 TRAIN_SEED = 0
 PROBE_SEED = 1_000_003  # held-out probes: a different stream from any training seed
 
@@ -146,6 +148,50 @@ def needle(rng: random.Random, context_tokens: int, count_tokens: Callable[[str]
         msgs += [{"role": "user", "content": f"What is the code for {other}?"},
                  {"role": "assistant", "content": other_code}]
     return msgs
+
+
+def needle_echo(rng: random.Random, context_tokens: int, count_tokens: Callable[[str], int] | None = None,
+                n_echo: int = 8) -> list[tuple[str, bool]]:
+    """Training only: a needle context as plain text (no chat template), a blank line, then 1 to
+    ``n_echo`` of its lines restated in random order. Returned as (text, supervised) segments: the
+    restated lines' codes are the supervised ones.
+
+    Why: the needle's first answer digit needs a match of the asked NAME against "the NAME three
+    tokens back" at every code's first digit. In the chat form the asked NAME sits six tokens
+    before the answer (behind ``? <|im_end|> \n <|im_start|> assistant \n``), so the match needs
+    features at both ends that nothing else in the data rewards, and models plateaued at chance
+    selection (sessions 3-5). Restating ``The code for NAME is `` puts the asked NAME two tokens
+    before the first digit: the short causal conv of any GDN layer already mixes it into both the
+    query and the key positions, so one attention layer can learn the match directly; the chat
+    form then only has to carry the NAME to the answer position."""
+    lines, pairs = [], []
+    total, seen = 0, set()
+    while total < context_tokens or not lines:
+        n = name(rng)
+        if n in seen:
+            continue
+        seen.add(n)
+        code = f"{rng.randint(0, 999999):06d}"
+        line = f"The code for {n} is {code}.\n"
+        lines.append(line)
+        pairs.append((n, code))
+        total += count_tokens(line) if count_tokens else 12
+    segs: list[tuple[str, bool]] = [("".join(lines) + "\n", False)]
+    for n, code in rng.sample(pairs, rng.randint(1, min(len(pairs), n_echo))):
+        segs += [(f"The code for {n} is ", False), (code, True), (".\n", False)]
+    return segs
+
+
+def encode_segments(tok, segments: list[tuple[str, bool]]) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids and loss mask of plain-text ``segments`` (each encoded alone: callers split only
+    where the byte-level pre-tokeniser splits too, e.g. before the digits after ``is ``)."""
+    ids: list[int] = []
+    mask: list[int] = []
+    for text, supervised in segments:
+        t = tok.encode(text)
+        ids += t
+        mask += [int(supervised)] * len(t)
+    return np.asarray(ids, np.int32), np.asarray(mask, np.int32)
 
 
 def recall(rng: random.Random, min_between: int = 1, max_between: int = 4) -> list[dict]:

@@ -59,7 +59,6 @@ from jaxserve.config import LINEAR_ATTENTION, ModelConfig
 from jaxserve.models import decoder, gated_deltanet
 from jaxserve.models.layers import attention_in, attention_out, mlp, moe, rms_norm
 from jaxserve.models.params import build_params, hf_shapes
-from pallas_kernels.conv1d_reference import causal_conv1d_prefill
 from weights.groundtruth import tasks
 from weights.groundtruth import tokenizer as gt_tokenizer
 
@@ -239,11 +238,23 @@ def _delta_rule_train(q, k, v, g, beta, C: int = 64, precision: str = "highest")
     return o.astype(out_dtype)
 
 
+def _causal_conv_train(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """SiLU(causal depthwise conv) of one fresh sequence x [T, C] with weight [C, K] (tap K-1 on the
+    current token, tap 0 on the oldest), in fp32, returned in x.dtype: what the serving
+    reference ``causal_conv1d_prefill`` computes for a single sequence from a zero state, as K
+    shifted multiply-adds. That reference gathers each token's window (a scatter in the backward
+    pass, which profiled as one of the costliest kernels of a training step on the H200)."""
+    T, K = x.shape[0], weight.shape[1]
+    xp = jnp.pad(x.astype(jnp.float32), ((K - 1, 0), (0, 0)))
+    w = weight.astype(jnp.float32)
+    return jax.nn.silu(sum(xp[i:i + T] * w[:, i] for i in range(K))).astype(x.dtype)
+
+
 def _gdn_train(p: dict, cfg: ModelConfig, x: jax.Array, precision: str = "highest") -> jax.Array:
     """``gated_deltanet.gated_deltanet`` for one fresh sequence x [T, H] (the same projections, conv
     and gated norm), with ``_delta_rule_train`` as the delta-rule backend."""
     mixed, z, beta, g = gated_deltanet.project(p, cfg, x)
-    mixed, _, _ = causal_conv1d_prefill(mixed, p["conv_w"], cu_seqlens=jnp.asarray([0, x.shape[0]], jnp.int32))
+    mixed = _causal_conv_train(mixed, p["conv_w"])
     q, k, v = gated_deltanet.split_qkv(cfg, mixed)
     return gated_deltanet.output(p, cfg, _delta_rule_train(q, k, v, g, beta, precision=precision), z)
 
@@ -271,7 +282,9 @@ def train_logits(params: dict, cfg: ModelConfig, tokens: jax.Array, remat: bool 
         h = moe(p["mlp"], cfg, h) if is_moe else mlp(p["mlp"], h)
         return x + h
 
-    x = params["embed"][tokens.reshape(-1)]
+    # one-hot product, not a gather: its gradient is a matmul instead of a scatter-add into the
+    # embedding (the scatter profiled among the costliest kernels of a step on the H200)
+    x = jax.nn.one_hot(tokens.reshape(-1), params["embed"].shape[0], dtype=params["embed"].dtype) @ params["embed"]
     for i, p in enumerate(params["layers"]):
         f = partial(layer, layer_type=cfg.layer_types[i], is_moe=cfg.moe_layers[i])
         x = (jax.checkpoint(f) if remat else f)(x, p)
@@ -289,8 +302,10 @@ def loss_fn(params, cfg: ModelConfig, tokens, mask, compute_dtype, remat: bool =
     p = jax.tree.map(lambda a: a.astype(compute_dtype), params)
     logits = train_logits(p, cfg, tokens, remat, delta_precision, attention)[:, :-1]
     targets, m = tokens[:, 1:], mask[:, 1:].astype(jnp.float32)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    # logsumexp minus the target's logit picked by a one-hot product: elementwise in the backward
+    # pass (take_along_axis's gradient is a scatter over [B, T, V])
+    target_logit = (logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)).sum(-1)
+    nll = jax.nn.logsumexp(logits, axis=-1) - target_logit
     return (nll * m).sum() / jnp.maximum(m.sum(), 1.0), answer_accuracies(logits, tokens, mask)
 
 
@@ -313,16 +328,19 @@ def buckets(smoke: bool, batch_tokens: int) -> list[dict]:
     """(kind, T, B, needle context range, phase) per bucket; phase 1 buckets join after the
     curriculum. T is a multiple of 64 (the GDN chunk)."""
     if smoke:
-        spec = [("arithmetic", 64, None, 0), ("recall", 256, None, 0), ("needle", 128, (30, 90), 0)]
+        spec = [("arithmetic", 64, None, 0), ("recall", 256, None, 0), ("needle", 128, (30, 90), 0),
+                ("echo", 128, (30, 90), 0)]
     else:
         spec = [("arithmetic", 64, None, 0), ("recall", 320, None, 0), ("needle", 1024, (100, 800), 0),
-                ("needle", 2048, (900, 1800), 1), ("needle", 4224, (1950, 3900), 1), ("needle", 320, (20, 120), 0)]
+                ("needle", 2048, (900, 1800), 1), ("needle", 4224, (1950, 3900), 1), ("needle", 320, (20, 120), 0),
+                ("echo", 320, (20, 120), 0), ("echo", 1024, (100, 800), 0)]
     return [dict(kind=k, T=T, B=max(1, batch_tokens // T), needle=nr, phase=ph) for k, T, nr, ph in spec]
 
 
 # Bucket order within a cycle (indices into buckets()); arithmetic gets the most steps.
 # Short needles (5) come often: retrieval is learnt there first, then carried to long contexts.
-_CYCLE = {False: [0, 5, 1, 0, 2, 5, 0, 3, 1, 0, 5, 4, 0, 2], True: [0, 1, 0, 2]}
+# The training-only echo buckets (6, 7; smoke 3) are in the cycle only when ``kinds`` names "echo".
+_CYCLE = {False: [0, 5, 1, 0, 2, 5, 0, 3, 1, 0, 5, 4, 0, 2, 6, 7, 6], True: [0, 1, 0, 2, 3]}
 
 # Extra questions per needle context in training (the probes ask one); each answer is supervised.
 NEEDLE_FOLLOW_UPS = 8
@@ -330,7 +348,8 @@ NEEDLE_FOLLOW_UPS = 8
 
 def bucket_for_step(step: int, steps: int, bks: list[dict], smoke: bool, curriculum: float,
                     kinds: tuple[str, ...] | None = None) -> dict:
-    cycle = [i for i in _CYCLE[smoke] if not kinds or bks[i]["kind"] in kinds]
+    kinds = kinds or tasks.KINDS
+    cycle = [i for i in _CYCLE[smoke] if bks[i]["kind"] in kinds]
     if step < curriculum * steps:
         cycle = [i for i in cycle if bks[i]["phase"] == 0] or cycle
     return bks[cycle[step % len(cycle)]]
@@ -346,9 +365,12 @@ def make_batch(tok, bucket: dict, seed: int, step: int) -> tuple[np.ndarray, np.
     mask = np.zeros((B, T), np.int32)
     for b in range(B):
         while True:
-            msgs = tasks.example(bucket["kind"], rng, bucket["needle"] or (0, 0), count, NEEDLE_FOLLOW_UPS,
-                                 mixed_digits=True)
-            ids, m = tasks.encode(tok, msgs)
+            if bucket["kind"] == "echo":
+                ids, m = tasks.encode_segments(tok, tasks.needle_echo(rng, rng.randint(*bucket["needle"]), count))
+            else:
+                msgs = tasks.example(bucket["kind"], rng, bucket["needle"] or (0, 0), count, NEEDLE_FOLLOW_UPS,
+                                     mixed_digits=True)
+                ids, m = tasks.encode(tok, msgs)
             if len(ids) <= T:
                 break
         toks[b, : len(ids)] = ids
@@ -811,7 +833,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-tokens", type=int, help="padded tokens per step (default 16384; smoke 2048)")
     ap.add_argument("--warmup", type=int)
     ap.add_argument("--curriculum", type=float, default=0.25, help="fraction of steps before long needles join")
-    ap.add_argument("--kinds", nargs="+", choices=tasks.KINDS, help="train on these task kinds only")
+    ap.add_argument("--kinds", nargs="+", choices=tasks.TRAIN_KINDS,
+                    help="train on these task kinds only (default: every probe kind; 'echo' is training-only, tasks.needle_echo)")
     ap.add_argument("--ckpt-every", type=int, default=200)
     ap.add_argument("--time-limit", type=float, help="seconds of training, then checkpoint + export (resume later)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
