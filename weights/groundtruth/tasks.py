@@ -119,26 +119,36 @@ def needle_lines(rng: random.Random, n_lines: int) -> tuple[list[str], list[tupl
     return [f"The code for {n} is {c}." for n, c in pairs], pairs
 
 
-def needle(rng: random.Random, context_tokens: int, count_tokens: Callable[[str], int] | None = None,
-           follow_ups: int = 0) -> list[dict]:
-    """A needle conversation whose context is about ``context_tokens`` tokens (``count_tokens``
-    measures a line; without it a line counts 12 tokens, about what the shipped tokenizer gives).
-    The probe form has ``follow_ups=0``: one user message, one answer."""
-    lines: list[str] = []
+def _line(name_: str, code: str) -> str:
+    return f"The code for {name_} is {code}."
+
+
+def _context_pairs(rng: random.Random, context_tokens: int,
+                   count_tokens: Callable[[str], int] | None) -> list[tuple[str, str]]:
+    """(NAME, code) of a needle context's lines, names distinct, until the lines (each with its
+    newline) reach ``context_tokens`` (``count_tokens`` measures a line; without it a line counts
+    12 tokens, about what the shipped tokenizer gives). The draw order is part of the probes'
+    held-out stream: keep it."""
     pairs: list[tuple[str, str]] = []
     total, seen = 0, set()
-    while total < context_tokens or not lines:
+    while total < context_tokens or not pairs:
         n = name(rng)
         if n in seen:
             continue
         seen.add(n)
         code = f"{rng.randint(0, 999999):06d}"
-        line = f"The code for {n} is {code}."
-        lines.append(line)
         pairs.append((n, code))
-        total += count_tokens(line + "\n") if count_tokens else 12
+        total += count_tokens(_line(n, code) + "\n") if count_tokens else 12
+    return pairs
+
+
+def needle(rng: random.Random, context_tokens: int, count_tokens: Callable[[str], int] | None = None,
+           follow_ups: int = 0) -> list[dict]:
+    """A needle conversation whose context is about ``context_tokens`` tokens (``_context_pairs``).
+    The probe form has ``follow_ups=0``: one user message, one answer."""
+    pairs = _context_pairs(rng, context_tokens, count_tokens)
     target, code = rng.choice(pairs)
-    context = "\n".join(lines)
+    context = "\n".join(_line(n, c) for n, c in pairs)
     msgs = [{"role": "user", "content": f"{context}\n\nWhat is the code for {target}?"},
             {"role": "assistant", "content": code}]
     # Training only: more questions about the same context in later turns. Every answer is
@@ -164,19 +174,8 @@ def needle_echo(rng: random.Random, context_tokens: int, count_tokens: Callable[
     before the first digit: the short causal conv of any GDN layer already mixes it into both the
     query and the key positions, so one attention layer can learn the match directly; the chat
     form then only has to carry the NAME to the answer position."""
-    lines, pairs = [], []
-    total, seen = 0, set()
-    while total < context_tokens or not lines:
-        n = name(rng)
-        if n in seen:
-            continue
-        seen.add(n)
-        code = f"{rng.randint(0, 999999):06d}"
-        line = f"The code for {n} is {code}.\n"
-        lines.append(line)
-        pairs.append((n, code))
-        total += count_tokens(line) if count_tokens else 12
-    segs: list[tuple[str, bool]] = [("".join(lines) + "\n", False)]
+    pairs = _context_pairs(rng, context_tokens, count_tokens)
+    segs: list[tuple[str, bool]] = [("".join(_line(n, c) + "\n" for n, c in pairs) + "\n", False)]
     for n, code in rng.sample(pairs, rng.randint(1, min(len(pairs), n_echo))):
         segs += [(f"The code for {n} is ", False), (code, True), (".\n", False)]
     return segs
