@@ -107,6 +107,39 @@ def test_echo_restates_context_lines_and_supervises_only_their_codes(tok):
     assert "echo" not in tasks.KINDS
 
 
+def test_hard_arithmetic_has_long_carry_chains_and_leaves_the_probe_stream_alone():
+    rng = random.Random(5)
+    rows = [tasks.arithmetic(rng, mixed_digits=True, hard=1.0) for _ in range(400)]
+    for user, answer in rows:
+        a, op, b = re.fullmatch(r"What is (\d+) ([+-]) (\d+)\?", user["content"]).groups()
+        a, b = int(a), int(b)
+        assert 0 <= a <= 9999 and 0 <= b <= 9999 and answer["content"] == str(a + b if op == "+" else a - b)
+        if op == "-":
+            assert abs(a - b) <= 1000  # close operands: a short, borrow-heavy difference
+        elif b not in (0, 9999):  # unclipped: the sum lies within 9 of a multiple of 100
+            assert min((a + b) % 100, 100 - (a + b) % 100) <= 9
+    # hard=0 makes no extra draw: the held-out probes' stream is what it always was
+    r1, r2 = random.Random(9), random.Random(9)
+    assert [tasks.arithmetic(r1) for _ in range(50)] == [tasks.arithmetic(r2, hard=0.0) for _ in range(50)]
+    assert r1.random() == r2.random()
+    with pytest.raises(ValueError, match="fraction"):
+        train.train("/nonexistent", 1, smoke=True, arith_hard=1.5)
+
+
+def test_a_custom_cycle_weights_buckets_and_bad_ones_are_refused():
+    bks = train.buckets(False, 65536)
+    cycle = (0, 0, 2, 4)  # arithmetic on every other step
+    picked = [train.bucket_for_step(s, 100, bks, False, 0.0, None, cycle) for s in range(40)]
+    assert [b["kind"] for b in picked[:4]] == ["arithmetic", "arithmetic", "needle", "needle"]
+    assert sum(b["kind"] == "arithmetic" for b in picked) == 20 and {b["T"] for b in picked} == {64, 1024, 4224}
+    # before the curriculum ends the long-needle bucket (phase 1) is left out
+    assert {b["T"] for b in (train.bucket_for_step(s, 100, bks, False, 0.5, None, cycle) for s in range(20))} == {64, 1024}
+    with pytest.raises(ValueError, match="no bucket"):
+        train.check_cycle((0, len(bks)), bks, None)
+    with pytest.raises(ValueError, match="none of its buckets"):
+        train.check_cycle((6, 7), bks, ("arithmetic",))
+
+
 def test_training_arithmetic_mixes_digit_counts_probes_stay_uniform():
     rng = random.Random(4)
     ops = [int(x) for _ in range(400)
@@ -274,10 +307,14 @@ def test_config_overrides_land_in_the_config_and_bad_keys_raise():
         train.parse_config_overrides(["partial_rotary_factor"])
 
 
+def _two_layer_config(moe: bool, vocab: int = 300, **overrides) -> dict:
+    """The smoke HF config cut to one GDN + one full-attention layer (compiles in half the time)."""
+    raw = train.model_config(vocab, moe_variant=moe, smoke=True)
+    return {**raw, "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"], **overrides}
+
+
 def _two_layer(moe: bool) -> ModelConfig:
-    """The smoke config cut to one GDN + one full-attention layer (compiles in half the time)."""
-    raw = train.model_config(300, moe_variant=moe, smoke=True)
-    return ModelConfig.from_hf({**raw, "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]})
+    return ModelConfig.from_hf(_two_layer_config(moe))
 
 
 def test_answer_accuracies_count_first_answer_tokens_apart():
@@ -407,7 +444,35 @@ def test_init_from_an_export_starts_where_that_run_ended(smoke_runs, tmp_path):
     cont = train.train(tmp_path / "cont", 2, init_from=full["export"], **kw)
     assert cont["first_loss"] < full["first_loss"] - 1.0, (cont, full)
     with pytest.raises(ValueError, match="config differs"):
-        train.train(tmp_path / "moe", 2, moe_variant=True, init_from=full["export"], **kw)
+        train.train(tmp_path / "wider", 2, init_from=full["export"], config_overrides={"hidden_size": 64}, **kw)
+
+
+def test_dense_export_upcycles_into_the_same_function(tmp_path, tok):
+    """--moe --init-from DENSE_EXPORT: the upcycled MoE model's logits are the dense model's (fp32;
+    shared expert = the dense MLP, routed experts' down projections 0), and an export whose config
+    differs otherwise (hidden_size, the dense MLP's width) or --extend-vocab is refused."""
+    dense_config, moe_config = _two_layer_config(False, tok.vocab_size), _two_layer_config(True, tok.vocab_size)
+    dense_cfg, moe_cfg = ModelConfig.from_hf(dense_config), ModelConfig.from_hf(moe_config)
+    dense = build_params(dense_cfg, train.init_tensors(dense_cfg, 4, init_std=0.1), jnp.asarray)
+    folder = train.export(dense, dense_config, tmp_path / "dense", Path(tok.source), dtype="float32")
+    tensors = train._export_tensors(folder, moe_cfg, moe_config, seed=5)
+    for i in range(len(moe_cfg.layer_types)):
+        m = f"model.layers.{i}.mlp"
+        assert not tensors[f"{m}.experts.down_proj"].any() and not tensors[f"{m}.shared_expert_gate.weight"].any()
+        assert tensors[f"{m}.experts.gate_up_proj"].std() > 0.01 and tensors[f"{m}.gate.weight"].std() > 0.01
+    upcycled = build_params(moe_cfg, tensors, jnp.asarray)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 40), 0, tok.vocab_size)
+    pos = jnp.broadcast_to(jnp.arange(40), (2, 40))
+    want, _ = decoder.forward(dense, dense_cfg, tokens, pos, decoder.init_state(dense_cfg, 2, 64, jnp.float32))
+    got, _ = decoder.forward(upcycled, moe_cfg, tokens, pos, decoder.init_state(moe_cfg, 2, 64, jnp.float32))
+    assert float(jnp.abs(want).max()) > 0.1  # the MLPs matter: the comparison is not trivially equal
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    for bad, match in (({"hidden_size": 64}, "config differs"), ({"shared_expert_intermediate_size": 32}, "intermediate_size")):
+        config = _two_layer_config(True, tok.vocab_size, **bad)
+        with pytest.raises(ValueError, match=match):
+            train._export_tensors(folder, ModelConfig.from_hf(config), config)
+    with pytest.raises(ValueError, match="extend-vocab"):
+        train._export_tensors(folder, moe_cfg, moe_config, tok)
 
 
 def test_extend_vocab_keeps_every_id_and_adds_one_token_per_name(tmp_path):

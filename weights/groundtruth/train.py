@@ -7,8 +7,9 @@ What it does, in order:
 2. model: a qwen3_5(_moe) config (``--config KEY=VALUE``, repeatable, VALUE as JSON, changes it:
    any HF config key, ``partial_rotary_factor=F`` into ``rope_parameters``, ``attention_every=N``
    for every N-th layer full attention; unknown keys raise ValueError); HF-named tensors initialised at random (the families of values
-   transformers uses) and mapped by ``jaxserve.models.params.build_params`` into the params pytree,
-   so training updates exactly the tensors that are exported;
+   transformers uses; or ``--init-from`` an earlier export's, a dense one upcycled into ``--moe``)
+   and mapped by ``jaxserve.models.params.build_params`` into the params pytree, so training
+   updates exactly the tensors that are exported;
 3. training: flax ``TrainState`` + optax AdamW (warmup + cosine, global-norm clip 1.0), fp32 master
    params; on GPU the forward runs in bf16 (params cast in the step), on CPU in fp32. The step is
    jitted once per length bucket (static shapes) and donates the state. Orbax checkpoints to
@@ -107,17 +108,19 @@ def _apply_overrides(cfg: dict, overrides: dict) -> dict:
 
 def model_config(vocab_size: int, *, moe_variant: bool, smoke: bool, overrides: dict | None = None) -> dict:
     """The HF config.json (text config) of the model to train; ``overrides`` (``--config KEY=VALUE``)
-    change it, see ``_apply_overrides``."""
+    change it, see ``_apply_overrides``. The MoE variant's shared expert is as wide as the dense
+    MLP (``shared_expert_intermediate_size == intermediate_size``), so a dense export upcycles into
+    it exactly (``_upcycle_dense_mlp``); its routed experts are narrow, to stay in the export budget."""
     if smoke:
         size = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
                     num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
                     linear_key_head_dim=8, linear_value_head_dim=8)
-        moe_size = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=32)
+        moe_size = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, shared_expert_intermediate_size=64)
     else:
         size = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
                     linear_key_head_dim=32, linear_value_head_dim=32)
-        moe_size = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, shared_expert_intermediate_size=192)
+        moe_size = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=768)
     cfg = {**_COMMON, **size, "vocab_size": vocab_size, "layer_types": _layer_types(size["num_hidden_layers"])}
     if moe_variant:
         cfg.pop("intermediate_size")
@@ -346,17 +349,30 @@ _CYCLE = {False: [0, 5, 1, 0, 2, 5, 0, 3, 1, 0, 5, 4, 0, 2, 6, 7, 6], True: [0, 
 NEEDLE_FOLLOW_UPS = 8
 
 
+def check_cycle(cycle: tuple[int, ...], bks: list[dict], kinds: tuple[str, ...] | None) -> None:
+    """ValueError unless every index of ``cycle`` names a bucket and one of them is of ``kinds``."""
+    bad = [i for i in cycle if not 0 <= i < len(bks)]
+    if bad:
+        raise ValueError(f"--cycle: no bucket {bad}; buckets are 0..{len(bks) - 1}: "
+                         + ", ".join(f"{i}={b['kind']}[T={b['T']}]" for i, b in enumerate(bks)))
+    if not any(bks[i]["kind"] in (kinds or tasks.KINDS) for i in cycle):
+        raise ValueError(f"--cycle {list(cycle)}: none of its buckets is of kinds {list(kinds or tasks.KINDS)}")
+
+
 def bucket_for_step(step: int, steps: int, bks: list[dict], smoke: bool, curriculum: float,
-                    kinds: tuple[str, ...] | None = None) -> dict:
+                    kinds: tuple[str, ...] | None = None, cycle: tuple[int, ...] | None = None) -> dict:
+    """The bucket of ``step``: ``cycle`` (default ``_CYCLE``; indices into ``bks``, a bucket as
+    often as it appears) filtered to ``kinds``, and to phase 0 before the curriculum ends."""
     kinds = kinds or tasks.KINDS
-    cycle = [i for i in _CYCLE[smoke] if bks[i]["kind"] in kinds]
+    cycle = [i for i in (cycle or _CYCLE[smoke]) if bks[i]["kind"] in kinds]
     if step < curriculum * steps:
         cycle = [i for i in cycle if bks[i]["phase"] == 0] or cycle
     return bks[cycle[step % len(cycle)]]
 
 
-def make_batch(tok, bucket: dict, seed: int, step: int) -> tuple[np.ndarray, np.ndarray]:
-    """[B, T] tokens (padded with <|endoftext|>) and loss mask; a function of (seed, step)."""
+def make_batch(tok, bucket: dict, seed: int, step: int, arith_hard: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """[B, T] tokens (padded with <|endoftext|>) and loss mask; a function of (seed, step).
+    ``arith_hard``: the fraction of arithmetic problems drawn carry/borrow-heavy (``tasks.arithmetic``)."""
     rng = random.Random(seed * 1_000_003 + step)
     pad = tok.token_to_id("<|endoftext|>")
     B, T = bucket["B"], bucket["T"]
@@ -369,7 +385,7 @@ def make_batch(tok, bucket: dict, seed: int, step: int) -> tuple[np.ndarray, np.
                 ids, m = tasks.encode_segments(tok, tasks.needle_echo(rng, rng.randint(*bucket["needle"]), count))
             else:
                 msgs = tasks.example(bucket["kind"], rng, bucket["needle"] or (0, 0), count, NEEDLE_FOLLOW_UPS,
-                                     mixed_digits=True)
+                                     mixed_digits=True, arith_hard=arith_hard)
                 ids, m = tasks.encode(tok, msgs)
             if len(ids) <= T:
                 break
@@ -417,7 +433,8 @@ _WORKER_TOKENIZERS: dict = {}
 
 
 def batch_for_step(step: int, *, tokenizer_dir: str, steps: int, bks: list[dict], smoke: bool, curriculum: float,
-                   kinds: tuple[str, ...] | None, seed: int):
+                   kinds: tuple[str, ...] | None, seed: int, cycle: tuple[int, ...] | None = None,
+                   arith_hard: float = 0.0):
     """(bucket, (tokens, mask)) of ``step``: a pure function of its arguments (picklable with
     ``functools.partial`` for Prefetcher's worker processes, which load the tokenizer once)."""
     from jaxserve.tokenizer import Tokenizer
@@ -425,8 +442,8 @@ def batch_for_step(step: int, *, tokenizer_dir: str, steps: int, bks: list[dict]
     tok = _WORKER_TOKENIZERS.get(tokenizer_dir)
     if tok is None:
         tok = _WORKER_TOKENIZERS[tokenizer_dir] = Tokenizer.from_dir(tokenizer_dir)
-    bucket = bucket_for_step(step, steps, bks, smoke, curriculum, kinds)
-    return bucket, make_batch(tok, bucket, seed, step)
+    bucket = bucket_for_step(step, steps, bks, smoke, curriculum, kinds, cycle)
+    return bucket, make_batch(tok, bucket, seed, step, arith_hard)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -657,24 +674,69 @@ def _checkpointer(path: Path, every: int):
     return ocp.CheckpointManager(path.resolve(), options=opts)
 
 
-def _export_tensors(folder: str | Path, cfg: ModelConfig, config: dict, tok=None) -> dict[str, np.ndarray]:
+# Config keys in which the MoE variant and the dense model it upcycles from may differ.
+UPCYCLE_KEYS = ("architectures", "model_type", "intermediate_size", "moe_intermediate_size", "num_experts",
+                "num_experts_per_tok", "output_router_logits", "router_aux_loss_coef", "shared_expert_intermediate_size")
+
+
+def _upcycle_dense_mlp(dense: dict[str, np.ndarray], cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
+    """Sparse upcycling: HF-named tensors of the MoE model ``cfg`` that compute exactly the function
+    of the dense model whose tensors are ``dense`` (same config but the MLP, its intermediate_size
+    ``cfg.shared_expert_intermediate_size``). A MoE layer outputs ``routed(x) + sigmoid(x @
+    shared_expert_gate) * shared_expert(x)`` (``layers.moe``), and here
+      - the shared expert is the dense MLP with down_proj doubled and ``shared_expert_gate`` is 0:
+        sigmoid(0) = 0.5 exactly, and 0.5 * (2 * down) = down (scaling by powers of two is exact
+        in fp32 and bf16), so the shared path is the dense MLP's output;
+      - every routed expert's down projection is 0: the routed sum is exactly 0 whichever experts
+        the router picks (the down projections get gradients at once, the rest after them);
+      - the router and the experts' gate/up projections are ``init_tensors(cfg, seed)``'s (random,
+        so the experts differ once they train);
+      - every other tensor is the dense model's.
+    Non-MoE layers of ``cfg`` (none in qwen3_5_moe) keep the dense MLP."""
+    fresh = init_tensors(cfg, seed)
+    out = {name: dense.get(name, value) for name, value in fresh.items()}
+    for i in (i for i, is_moe in enumerate(cfg.moe_layers) if is_moe):
+        m = f"model.layers.{i}.mlp"
+        for k in ("gate_proj", "up_proj"):
+            out[f"{m}.shared_expert.{k}.weight"] = dense[f"{m}.{k}.weight"]
+        out[f"{m}.shared_expert.down_proj.weight"] = 2 * dense[f"{m}.down_proj.weight"]
+        out[f"{m}.shared_expert_gate.weight"] = np.zeros_like(fresh[f"{m}.shared_expert_gate.weight"])
+        out[f"{m}.experts.down_proj"] = np.zeros_like(fresh[f"{m}.experts.down_proj"])
+    assert all(k in dense for k in fresh if ".mlp." not in k) and all(out[k].shape == v.shape for k, v in fresh.items())
+    return out
+
+
+def _export_tensors(folder: str | Path, cfg: ModelConfig, config: dict, tok=None, seed: int = 0) -> dict[str, np.ndarray]:
     """HF-named fp32 tensors of an earlier export of this very model (``--init-from``). With ``tok``
     (``--extend-vocab``: the export's tokenizer plus appended tokens, ``config``'s vocab larger than
     the export's), the embedding rows of the appended tokens start as the mean of the rows of the
-    pieces the export's tokenizer splits them into; every other tensor and row is the export's."""
+    pieces the export's tokenizer splits them into; every other tensor and row is the export's.
+    A dense (qwen3_5_text) export of this MoE (qwen3_5_moe_text) model's config -- equal but for
+    ``UPCYCLE_KEYS``, its intermediate_size this model's shared_expert_intermediate_size -- is
+    upcycled (``_upcycle_dense_mlp``, random parts from ``seed``): same function, new experts.
+    Any other difference raises ValueError."""
     from weights.loader import load_tensors
 
     with open(Path(folder) / "config.json") as f:
         theirs = json.load(f)
-    differ = sorted(k for k in config if k not in ("torch_dtype", "dtype", "vocab_size" if tok else "")
-                    and theirs.get(k) != config[k])
+    upcycle = config["model_type"] == "qwen3_5_moe_text" and theirs.get("model_type") == "qwen3_5_text"
+    ignored = {"torch_dtype", "dtype"} | ({"vocab_size"} if tok else set()) | (set(UPCYCLE_KEYS) if upcycle else set())
+    differ = sorted(k for k in config if k not in ignored and theirs.get(k) != config[k])
     if differ:
         raise ValueError(f"--init-from {folder}: its config differs from this model's in {differ}")
+    if upcycle and tok is not None:
+        raise ValueError(f"--init-from {folder}: upcycling a dense export into --moe does not support --extend-vocab")
+    if upcycle and theirs.get("intermediate_size") != config["shared_expert_intermediate_size"]:
+        raise ValueError(f"--init-from {folder}: upcycling needs the dense intermediate_size "
+                         f"({theirs.get('intermediate_size')}) == shared_expert_intermediate_size "
+                         f"({config['shared_expert_intermediate_size']})")
     old_v = theirs["vocab_size"]
     if old_v != config["vocab_size"] and tok is None:
         raise ValueError(f"--init-from {folder}: vocab {old_v} != {config['vocab_size']}")
-    old_cfg = ModelConfig.from_hf({**config, "vocab_size": old_v})
+    old_cfg = ModelConfig.from_hf({**(theirs if upcycle else config), "vocab_size": old_v})
     tensors = load_tensors(folder, hf_shapes(old_cfg), "float32", tie_word_embeddings=cfg.tie_word_embeddings)
+    if upcycle:
+        return _upcycle_dense_mlp(tensors, cfg, seed)
     if old_v == config["vocab_size"]:
         return tensors
     from jaxserve.tokenizer import Tokenizer
@@ -694,7 +756,8 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
           compute_dtype: str | None = None, kinds: tuple[str, ...] | None = None, stop_at: int | None = None,
           time_limit: float | None = None, data_workers: int = 0, init_from: str | Path | None = None,
           config_overrides: dict | None = None, profile: int = 0, delta_precision: str = "highest",
-          attention: str = "dense", log=print) -> dict:
+          attention: str = "dense", cycle: tuple[int, ...] | None = None, arith_hard: float = 0.0,
+          log=print) -> dict:
     """Train (resuming from DIR/checkpoints if present) and export to DIR/export. Returns a summary
     (``final_params``: the trained pytree). ``kinds`` restricts the buckets to those task kinds;
     ``stop_at`` ends the run early after a checkpoint, without export (as a preempted run would);
@@ -704,7 +767,9 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
     processes (the same batches as in-thread). ``init_from``: start a fresh run from an earlier
     run's export (its bf16 weights as fp32 master params, its tokenizer files, a new optimiser
     state; the export's config must be this model's) instead of random weights: how a run
-    continues on a machine that no longer has its checkpoints. ``extend_vocab`` (with
+    continues on a machine that no longer has its checkpoints. With ``moe_variant``, a dense export
+    of the same size is upcycled into the MoE model (``_upcycle_dense_mlp``: the same function at
+    step 0, shared expert = the dense MLP, routed experts contributing 0). ``extend_vocab`` (with
     ``init_from``): the export's tokenizer gets ``tokenizer.with_single_token_names`` (every id
     kept, one token per needle NAME appended) and the embeddings the matching rows. A run with
     checkpoints resumes from them (and the tokenizer in its export folder) and ignores both. ``config_overrides``
@@ -714,7 +779,13 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
     extra steps per bucket on copies of the state, timed per kernel (``profile_buckets``; the
     summary's ``profile``). ``delta_precision`` of the training delta rule's fp32 products
     (``MATMUL_PRECISIONS``: "highest", or "default" = TF32 on a GPU); ``attention`` its full-attention
-    backend (``TRAIN_ATTENTION``: "dense" softmax, or "fused" ``jax.nn.dot_product_attention``)."""
+    backend (``TRAIN_ATTENTION``: "dense" softmax, or "fused" ``jax.nn.dot_product_attention``).
+    ``cycle`` (``--cycle``): the bucket order instead of ``_CYCLE`` (indices into ``buckets()``,
+    repeated to weight a bucket, e.g. arithmetic on every other step); ValueError if an index is
+    out of range or no bucket of ``kinds`` is left in it. ``arith_hard`` (``--arith-hard``): the
+    fraction of arithmetic problems drawn carry/borrow-heavy (``tasks.arithmetic``)."""
+    if not 0.0 <= arith_hard <= 1.0:
+        raise ValueError(f"arith_hard={arith_hard}: a fraction in [0, 1]")
     import orbax.checkpoint as ocp
 
     from jaxserve.tokenizer import Tokenizer
@@ -750,7 +821,7 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
     warmup = warmup if warmup is not None else min(200, max(1, steps // 10))
 
     tensors = (init_tensors(cfg, seed) if init_from is None
-               else _export_tensors(init_from, cfg, config, tok if extend_vocab else None))
+               else _export_tensors(init_from, cfg, config, tok if extend_vocab else None, seed))
     params = build_params(cfg, tensors, lambda x: jnp.asarray(x, jnp.float32))
     n_params = sum(x.size for x in jax.tree.leaves(params))
     state, schedule = make_train_state(params, lr, steps, warmup)
@@ -766,9 +837,11 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
 
     step_fn = _step_fn(cfg, cdtype, not smoke, delta_precision, attention)  # smoke: short sequences, no need to rematerialise
     bks = buckets(smoke, batch_tokens)
+    if cycle is not None:
+        check_cycle(cycle, bks, kinds)
     end = min(steps, stop_at) if stop_at is not None else steps
     batch = partial(batch_for_step, tokenizer_dir=str(export_dir), steps=steps, bks=bks, smoke=smoke,
-                    curriculum=curriculum, kinds=kinds, seed=seed)
+                    curriculum=curriculum, kinds=kinds, seed=seed, cycle=cycle, arith_hard=arith_hard)
     fetch = Prefetcher(batch, range(start, end), depth=16 if data_workers else 8, workers=data_workers)
     compiled: set = set()
     losses: list[float] = []
@@ -805,7 +878,7 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
         mngr.save(end, args=ocp.args.StandardSave(state), force=True)
     mngr.wait_until_finished()
     mngr.close()
-    profiled = profile_buckets(step_fn, state, batch, range(end, end + len(_CYCLE[smoke])), profile, log) if profile else None
+    profiled = profile_buckets(step_fn, state, batch, range(end, end + len(cycle or _CYCLE[smoke])), profile, log) if profile else None
     if end < steps and not timed_out:
         return {"stopped_at": end, "start": start, "first_loss": losses[0] if losses else None,
                 "last_loss": losses[-1] if losses else None, "final_params": state.params}
@@ -835,6 +908,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--curriculum", type=float, default=0.25, help="fraction of steps before long needles join")
     ap.add_argument("--kinds", nargs="+", choices=tasks.TRAIN_KINDS,
                     help="train on these task kinds only (default: every probe kind; 'echo' is training-only, tasks.needle_echo)")
+    ap.add_argument("--cycle", type=int, nargs="+", metavar="I",
+                    help="bucket order (indices into buckets(); repeat one to weight it) instead of the default cycle")
+    ap.add_argument("--arith-hard", type=float, default=0.0, metavar="F",
+                    help="fraction of arithmetic problems with long carry/borrow chains (tasks._hard_operands)")
     ap.add_argument("--ckpt-every", type=int, default=200)
     ap.add_argument("--time-limit", type=float, help="seconds of training, then checkpoint + export (resume later)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
@@ -845,7 +922,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="full attention in training: dense softmax, or fused (jax.nn.dot_product_attention: cuDNN on a GPU)")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--init-from", metavar="EXPORT_DIR",
-                    help="start from an earlier run's export instead of random weights (new optimiser state)")
+                    help="start from an earlier run's export instead of random weights (new optimiser state); "
+                         "with --moe, a dense export of the same size is upcycled (same function at step 0)")
     ap.add_argument("--extend-vocab", action="store_true",
                     help="with --init-from: append one token per needle NAME to the export's tokenizer "
                          "(ids kept) and matching embedding rows (mean of the name's old pieces)")
@@ -876,7 +954,8 @@ def main(argv: list[str] | None = None) -> int:
                     kinds=tuple(args.kinds) if args.kinds else None, time_limit=args.time_limit,
                     data_workers=args.data_workers, init_from=args.init_from, extend_vocab=args.extend_vocab,
                     config_overrides=overrides or None, profile=args.profile,
-                    delta_precision=args.delta_precision, attention=args.train_attention)
+                    delta_precision=args.delta_precision, attention=args.train_attention,
+                    cycle=tuple(args.cycle) if args.cycle else None, arith_hard=args.arith_hard)
     summary.pop("final_params")
     summary["train_wall_s"] = time.perf_counter() - t0
     print(json.dumps({"train": summary}), flush=True)
