@@ -178,18 +178,25 @@ def _dense_causal_attention(p, cfg: ModelConfig, x, positions, B: int, T: int):
     return attention_out(p, cfg, out.reshape(B * T, cfg.num_heads * cfg.head_dim), gate)
 
 
-def _fused_causal_attention(p, cfg: ModelConfig, x, positions, B: int, T: int):
-    """``_dense_causal_attention`` through ``jax.nn.dot_product_attention`` (cuDNN's fused flash
-    attention on a GPU, forward and backward, where it takes the shapes; XLA elsewhere): no
-    [B, heads, T, T] scores in memory. ``--train-attention fused``."""
+def _sdpa_causal_attention(p, cfg: ModelConfig, x, positions, B: int, T: int, *, implementation: str):
+    """``_dense_causal_attention`` through ``jax.nn.dot_product_attention`` with ``implementation``:
+    - "xla" (``--train-attention fused``; what ``implementation=None`` picks on every backend in
+      jax 0.11.2, whatever its docs promise): XLA's softmax, which materialises the
+      [B, heads, T, T] scores as ``dense`` does: the 4224-token bucket's step needs 16.33 GiB of
+      temporaries on the H200 (session 7), and the CPU compile's largest buffers are those scores;
+    - "cudnn" (``--train-attention cudnn``): cuDNN's flash attention, forward and backward, no
+      scores in memory; GPU only, bf16/fp16 only (``train`` refuses it elsewhere)."""
     q, k, v, gate = attention_in(p, cfg, x, positions)
     nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     out = jax.nn.dot_product_attention(q.reshape(B, T, nh, hd), k.reshape(B, T, nkv, hd), v.reshape(B, T, nkv, hd),
-                                       scale=hd ** -0.5, is_causal=True)
+                                       scale=hd ** -0.5, is_causal=True, implementation=implementation)
     return attention_out(p, cfg, out.reshape(B * T, nh * hd), gate)
 
 
-TRAIN_ATTENTION = {"dense": _dense_causal_attention, "fused": _fused_causal_attention}  # --train-attention
+TRAIN_ATTENTION = {"dense": _dense_causal_attention,  # --train-attention
+                   "fused": partial(_sdpa_causal_attention, implementation="xla"),
+                   "cudnn": partial(_sdpa_causal_attention, implementation="cudnn")}
+GPU_ONLY_ATTENTION = ("cudnn",)
 
 
 MATMUL_PRECISIONS = {"highest": jax.lax.Precision.HIGHEST, "default": None}  # --delta-precision
@@ -779,7 +786,8 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
     extra steps per bucket on copies of the state, timed per kernel (``profile_buckets``; the
     summary's ``profile``). ``delta_precision`` of the training delta rule's fp32 products
     (``MATMUL_PRECISIONS``: "highest", or "default" = TF32 on a GPU); ``attention`` its full-attention
-    backend (``TRAIN_ATTENTION``: "dense" softmax, or "fused" ``jax.nn.dot_product_attention``).
+    backend (``TRAIN_ATTENTION``: "dense" softmax, "fused" = XLA's ``jax.nn.dot_product_attention``,
+    or "cudnn" = cuDNN's flash attention: a GPU and bf16 compute only).
     ``cycle`` (``--cycle``): the bucket order instead of ``_CYCLE`` (indices into ``buckets()``,
     repeated to weight a bucket, e.g. arithmetic on every other step); ValueError if an index is
     out of range or no bucket of ``kinds`` is left in it. ``arith_hard`` (``--arith-hard``): the
@@ -794,6 +802,9 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
         raise ValueError(f"delta_precision={delta_precision!r}; choose one of {sorted(MATMUL_PRECISIONS)}")
     if attention not in TRAIN_ATTENTION:
         raise ValueError(f"attention={attention!r}; choose one of {sorted(TRAIN_ATTENTION)}")
+    if attention in GPU_ONLY_ATTENTION and (jax.default_backend() != "gpu" or compute_dtype == "float32"):
+        raise ValueError(f"attention={attention!r} runs on a GPU in bf16 only "
+                         f"(backend {jax.default_backend()}, compute {compute_dtype or 'default'})")
     if extend_vocab and init_from is None:
         raise ValueError("extend_vocab extends an --init-from export's tokenizer; a fresh run's already has the name tokens")
     out = Path(out)
@@ -919,7 +930,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--delta-precision", choices=sorted(MATMUL_PRECISIONS), default="highest",
                     help="precision of the training delta rule's fp32 products (default: TF32 on a GPU)")
     ap.add_argument("--train-attention", choices=sorted(TRAIN_ATTENTION), default="dense",
-                    help="full attention in training: dense softmax, or fused (jax.nn.dot_product_attention: cuDNN on a GPU)")
+                    help="full attention in training: dense softmax, fused (jax.nn.dot_product_attention's XLA "
+                         "implementation: scores still in memory), or cudnn (flash attention; GPU and bf16 only)")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--init-from", metavar="EXPORT_DIR",
                     help="start from an earlier run's export instead of random weights (new optimiser state); "
