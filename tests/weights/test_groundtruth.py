@@ -425,6 +425,18 @@ def test_needle_attention_diagnostic_reports_every_attention_head(smoke_runs):
             assert 0 <= d <= t <= a <= 1.001  # the first digit is on the target line, itself a context line
 
 
+def test_evaluate_scores_every_probe_and_lists_each_miss(smoke_runs):
+    """A miss list entry per wrong answer, none for right ones: right + misses = probes per kind."""
+    full, _, _, _ = smoke_runs
+    misses: list = []
+    acc = train.evaluate(full["export"], 2, needle_tokens=(30, 60), mode="pieces", max_tokens=6, misses=misses)
+    for kind, r in acc.items():
+        mine = [m for m in misses if m["kind"] == kind]
+        assert r["n"] == 2 and r["right"] + len(mine) == 2 and r["accuracy"] == r["right"] / 2
+        assert all(m["got"].strip() != m["expected"] and m["prompt_tokens"] > 0 and m["question"] for m in mine)
+    assert misses, "a 16-step smoke model cannot answer every probe"
+
+
 def test_init_from_an_export_starts_where_that_run_ended(smoke_runs, tmp_path):
     """--init-from: a fresh run (no checkpoints) whose params are the export's, and a model whose
     config differs is refused."""

@@ -570,10 +570,12 @@ def greedy_pieces(params, cfg: ModelConfig, prompt_ids: list[int], max_tokens: i
 
 
 def evaluate(folder: str | Path, n_per_kind: int, needle_tokens=(1000, 4000), seed: int = tasks.PROBE_SEED,
-             max_tokens: int = 12, mode: str = "generate") -> dict:
+             max_tokens: int = 12, mode: str = "generate", misses: list | None = None) -> dict:
     """Accuracy per task on held-out probes, greedy, on the model reloaded from ``folder``.
     ``mode``: ``generate`` (jaxserve.generate.generate; compiles one prefill per distinct prompt
-    length) or ``pieces`` (``greedy_pieces``: same tokens, a dozen compiled shapes)."""
+    length) or ``pieces`` (``greedy_pieces``: same tokens, a dozen compiled shapes).
+    ``misses``, when given, gets one dict per wrong answer (kind, prompt tokens, question,
+    expected, got): where a model fails (borrow chains, needle lengths) without a second pass."""
     from jaxserve.generate import SamplingParams, generate
     from jaxserve.tokenizer import Tokenizer
     from weights import load_model
@@ -594,7 +596,12 @@ def evaluate(folder: str | Path, n_per_kind: int, needle_tokens=(1000, 4000), se
         else:
             out = greedy_pieces(model.params, model.config, ids, max_tokens, eos, max_len)
         total[pr.kind] += 1
-        right[pr.kind] += tasks.score(pr.answer, tok.decode(out))
+        got = tok.decode(out)
+        ok = tasks.score(pr.answer, got)
+        right[pr.kind] += ok
+        if not ok and misses is not None:
+            misses.append({"kind": pr.kind, "prompt_tokens": len(ids), "question": pr.messages[-1]["content"],
+                           "expected": pr.answer, "got": got})
     return {k: {"right": right[k], "n": total[k], "accuracy": right[k] / max(total[k], 1)} for k in tasks.KINDS}
 
 
