@@ -33,6 +33,10 @@ CHAT = [{"role": "user", "content": "What is 2 + 3?"}]
 LONG_IDS = [(7 * i + 3) % 500 + 1 for i in range(150)]  # > 64 tokens: hits at x64 boundaries
 CONCURRENT = [f"client {i} says hello to the server number {i * 7}" for i in range(16)]
 GREEDY = dict(temperature=0, max_tokens=N, extra_body={"ignore_eos": True})
+# Greedy tokens must equal the offline reference exactly; logprobs only to fp32 noise: the reference
+# decodes all prompts as one batch, the server each request in whatever batch it lands in, and XLA's
+# CPU reductions change order with the batch shape (up to 1.35e-4 on session 8's default model).
+LOGPROB_ABS = 5e-4
 
 
 class _Server:
@@ -140,7 +144,7 @@ def test_completion_equals_offline_generate(ctx, key, prompt):
     r = ctx.client.completions.create(model=MODEL, prompt=prompt, logprobs=1, **GREEDY)
     c = r.choices[0]
     assert c.text == ref.text and c.finish_reason == "length"
-    assert c.logprobs.token_logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+    assert c.logprobs.token_logprobs == pytest.approx(ref.logprobs, abs=LOGPROB_ABS)
     # per-token strings show special tokens (the trained default model may emit <|im_end|> mid-way
     # under ignore_eos); the text skips them
     assert "".join(t for t in c.logprobs.tokens if not (t.startswith("<|") and t.endswith("|>"))) == ref.text
@@ -154,7 +158,7 @@ def test_chat_equals_offline_generate(ctx):
     r = ctx.client.chat.completions.create(model=MODEL, messages=CHAT, logprobs=True, **GREEDY)
     c = r.choices[0]
     assert c.message.role == "assistant" and c.message.content == ref.text and c.finish_reason == "length"
-    assert [t.logprob for t in c.logprobs.content] == pytest.approx(ref.logprobs, abs=1e-4)
+    assert [t.logprob for t in c.logprobs.content] == pytest.approx(ref.logprobs, abs=LOGPROB_ABS)
     assert r.usage.prompt_tokens == len(ctx.prompts["chat"]) and r.usage.completion_tokens == N
     # max_completion_tokens is chat's newer name for max_tokens
     r2 = ctx.client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_completion_tokens=3,
@@ -212,7 +216,7 @@ def test_sse_completion_format_raw(ctx):
     *content, final = events
     assert "".join(e["choices"][0]["text"] for e in content) == ctx.ref["ids"].text
     lps = [lp for e in content for lp in e["choices"][0]["logprobs"]["token_logprobs"]]
-    assert lps == pytest.approx(ctx.ref["ids"].logprobs, abs=1e-4)
+    assert lps == pytest.approx(ctx.ref["ids"].logprobs, abs=LOGPROB_ABS)
     assert final["choices"] == [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}]
 
 
