@@ -126,6 +126,24 @@ def test_hard_arithmetic_has_long_carry_chains_and_leaves_the_probe_stream_alone
         train.train("/nonexistent", 1, smoke=True, arith_hard=1.5)
 
 
+def test_arithmetic_mixes_digit_counts_by_a_fraction_and_keeps_the_end_streams():
+    def short_share(mixed, n=2000, seed=6):  # share of operands below 1000: uniform 10 %, by digit count 75 %
+        rng = random.Random(seed)
+        ops = [int(x) for _ in range(n) for x in
+               re.fullmatch(r"What is (\d+) [+-] (\d+)\?", tasks.arithmetic(rng, mixed)[0]["content"]).groups()]
+        return np.mean(np.array(ops) < 1000)
+    assert short_share(0.0) < 0.13 and short_share(1.0) > 0.70
+    assert 0.35 < short_share(0.5) < 0.50  # (0.10 + 0.75) / 2
+    # the fractions 0 and 1 draw nothing extra: the probes' and the earlier training streams stay
+    for f, flag in ((0.0, False), (1.0, True)):
+        r1, r2 = random.Random(3), random.Random(3)
+        assert [tasks.arithmetic(r1, flag) for _ in range(50)] == [tasks.arithmetic(r2, f) for _ in range(50)]
+    with pytest.raises(ValueError, match="fraction"):
+        tasks.arithmetic(random.Random(0), 1.5)
+    with pytest.raises(ValueError, match="arith_mixed"):
+        train.train("/nonexistent", 1, smoke=True, arith_mixed=-0.1)
+
+
 def test_a_custom_cycle_weights_buckets_and_bad_ones_are_refused():
     bks = train.buckets(False, 65536)
     cycle = (0, 0, 2, 4)  # arithmetic on every other step

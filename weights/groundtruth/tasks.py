@@ -116,15 +116,20 @@ def _hard_operands(rng: random.Random, op: str) -> tuple[int, int]:
     return a, min(max(b, 0), 9999)
 
 
-def arithmetic(rng: random.Random, mixed_digits: bool = False, hard: float = 0.0) -> list[dict]:
+def arithmetic(rng: random.Random, mixed_digits: float = 0.0, hard: float = 0.0) -> list[dict]:
     """``What is A op B?`` and its answer. Training options (probes use neither, and with both off
-    the random stream is the probes'): ``mixed_digits`` (``_operand``), and ``hard``, the fraction
-    of problems drawn by ``_hard_operands`` instead."""
+    the random stream is the probes'): ``mixed_digits``, the fraction of problems whose operands are
+    drawn by digit count (``_operand``; True = all, the rest uniform over 0..9999 as the probes
+    draw them; only a fraction strictly between 0 and 1 costs a draw, so 0 and 1 keep their
+    streams), and ``hard``, the fraction of problems drawn by ``_hard_operands`` instead."""
+    if not (0.0 <= mixed_digits <= 1.0 and 0.0 <= hard <= 1.0):
+        raise ValueError(f"mixed_digits={mixed_digits}, hard={hard}: each a fraction in [0, 1]")
     if hard and rng.random() < hard:
         op = rng.choice("+-")
         a, b = _hard_operands(rng, op)
     else:
-        a, b = _operand(rng, mixed_digits), _operand(rng, mixed_digits)
+        mixed = mixed_digits >= 1.0 or (mixed_digits > 0.0 and rng.random() < mixed_digits)
+        a, b = _operand(rng, mixed), _operand(rng, mixed)
         op = rng.choice("+-")
     return [{"role": "user", "content": f"What is {a} {op} {b}?"},
             {"role": "assistant", "content": str(a + b if op == "+" else a - b)}]
@@ -231,10 +236,11 @@ def recall(rng: random.Random, min_between: int = 1, max_between: int = 4) -> li
 
 def example(kind: str, rng: random.Random, needle_tokens: tuple[int, int] = (1000, 4000),
             count_tokens: Callable[[str], int] | None = None, needle_follow_ups: int = 0,
-            mixed_digits: bool = False, arith_hard: float = 0.0) -> list[dict]:
+            mixed_digits: float = 0.0, arith_hard: float = 0.0) -> list[dict]:
     """One conversation of ``kind``. Training options (probes use none): ``needle_follow_ups``
     adds up to that many more questions about the same needle context; ``mixed_digits`` draws
-    arithmetic operands by digit count, ``arith_hard`` that fraction of them carry/borrow-heavy."""
+    that fraction of arithmetic operands by digit count, ``arith_hard`` that fraction of problems
+    carry/borrow-heavy (``arithmetic``)."""
     if kind == "arithmetic":
         return arithmetic(rng, mixed_digits, arith_hard)
     if kind == "needle":

@@ -377,9 +377,12 @@ def bucket_for_step(step: int, steps: int, bks: list[dict], smoke: bool, curricu
     return bks[cycle[step % len(cycle)]]
 
 
-def make_batch(tok, bucket: dict, seed: int, step: int, arith_hard: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+def make_batch(tok, bucket: dict, seed: int, step: int, arith_hard: float = 0.0,
+               arith_mixed: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """[B, T] tokens (padded with <|endoftext|>) and loss mask; a function of (seed, step).
-    ``arith_hard``: the fraction of arithmetic problems drawn carry/borrow-heavy (``tasks.arithmetic``)."""
+    ``arith_hard``: the fraction of arithmetic problems drawn carry/borrow-heavy, ``arith_mixed``
+    the fraction with operands drawn by digit count, the rest as the probes draw them
+    (``tasks.arithmetic``)."""
     rng = random.Random(seed * 1_000_003 + step)
     pad = tok.token_to_id("<|endoftext|>")
     B, T = bucket["B"], bucket["T"]
@@ -392,7 +395,7 @@ def make_batch(tok, bucket: dict, seed: int, step: int, arith_hard: float = 0.0)
                 ids, m = tasks.encode_segments(tok, tasks.needle_echo(rng, rng.randint(*bucket["needle"]), count))
             else:
                 msgs = tasks.example(bucket["kind"], rng, bucket["needle"] or (0, 0), count, NEEDLE_FOLLOW_UPS,
-                                     mixed_digits=True, arith_hard=arith_hard)
+                                     mixed_digits=arith_mixed, arith_hard=arith_hard)
                 ids, m = tasks.encode(tok, msgs)
             if len(ids) <= T:
                 break
@@ -441,7 +444,7 @@ _WORKER_TOKENIZERS: dict = {}
 
 def batch_for_step(step: int, *, tokenizer_dir: str, steps: int, bks: list[dict], smoke: bool, curriculum: float,
                    kinds: tuple[str, ...] | None, seed: int, cycle: tuple[int, ...] | None = None,
-                   arith_hard: float = 0.0):
+                   arith_hard: float = 0.0, arith_mixed: float = 1.0):
     """(bucket, (tokens, mask)) of ``step``: a pure function of its arguments (picklable with
     ``functools.partial`` for Prefetcher's worker processes, which load the tokenizer once)."""
     from jaxserve.tokenizer import Tokenizer
@@ -450,7 +453,7 @@ def batch_for_step(step: int, *, tokenizer_dir: str, steps: int, bks: list[dict]
     if tok is None:
         tok = _WORKER_TOKENIZERS[tokenizer_dir] = Tokenizer.from_dir(tokenizer_dir)
     bucket = bucket_for_step(step, steps, bks, smoke, curriculum, kinds, cycle)
-    return bucket, make_batch(tok, bucket, seed, step, arith_hard)
+    return bucket, make_batch(tok, bucket, seed, step, arith_hard, arith_mixed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -771,7 +774,7 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
           time_limit: float | None = None, data_workers: int = 0, init_from: str | Path | None = None,
           config_overrides: dict | None = None, profile: int = 0, delta_precision: str = "highest",
           attention: str = "dense", cycle: tuple[int, ...] | None = None, arith_hard: float = 0.0,
-          log=print) -> dict:
+          arith_mixed: float = 1.0, log=print) -> dict:
     """Train (resuming from DIR/checkpoints if present) and export to DIR/export. Returns a summary
     (``final_params``: the trained pytree). ``kinds`` restricts the buckets to those task kinds;
     ``stop_at`` ends the run early after a checkpoint, without export (as a preempted run would);
@@ -798,9 +801,13 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
     ``cycle`` (``--cycle``): the bucket order instead of ``_CYCLE`` (indices into ``buckets()``,
     repeated to weight a bucket, e.g. arithmetic on every other step); ValueError if an index is
     out of range or no bucket of ``kinds`` is left in it. ``arith_hard`` (``--arith-hard``): the
-    fraction of arithmetic problems drawn carry/borrow-heavy (``tasks.arithmetic``)."""
-    if not 0.0 <= arith_hard <= 1.0:
-        raise ValueError(f"arith_hard={arith_hard}: a fraction in [0, 1]")
+    fraction of arithmetic problems drawn carry/borrow-heavy (``tasks.arithmetic``); ``arith_mixed``
+    (``--arith-mixed``) the fraction whose operands are drawn by digit count (1-4 digits equally
+    often: short problems teach alignment and carries early), the rest uniform over 0..9999 as the
+    probes draw them (81 % of them with two 4-digit operands, 6 % by digit count)."""
+    for flag, f in (("arith_hard", arith_hard), ("arith_mixed", arith_mixed)):
+        if not 0.0 <= f <= 1.0:
+            raise ValueError(f"{flag}={f}: a fraction in [0, 1]")
     import orbax.checkpoint as ocp
 
     from jaxserve.tokenizer import Tokenizer
@@ -859,7 +866,8 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
         check_cycle(cycle, bks, kinds)
     end = min(steps, stop_at) if stop_at is not None else steps
     batch = partial(batch_for_step, tokenizer_dir=str(export_dir), steps=steps, bks=bks, smoke=smoke,
-                    curriculum=curriculum, kinds=kinds, seed=seed, cycle=cycle, arith_hard=arith_hard)
+                    curriculum=curriculum, kinds=kinds, seed=seed, cycle=cycle, arith_hard=arith_hard,
+                    arith_mixed=arith_mixed)
     fetch = Prefetcher(batch, range(start, end), depth=16 if data_workers else 8, workers=data_workers)
     compiled: set = set()
     losses: list[float] = []
@@ -930,6 +938,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="bucket order (indices into buckets(); repeat one to weight it) instead of the default cycle")
     ap.add_argument("--arith-hard", type=float, default=0.0, metavar="F",
                     help="fraction of arithmetic problems with long carry/borrow chains (tasks._hard_operands)")
+    ap.add_argument("--arith-mixed", type=float, default=1.0, metavar="F",
+                    help="fraction of arithmetic problems with operands drawn by digit count; the rest "
+                         "uniform over 0..9999 like the probes")
     ap.add_argument("--ckpt-every", type=int, default=200)
     ap.add_argument("--time-limit", type=float, help="seconds of training, then checkpoint + export (resume later)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
@@ -974,7 +985,7 @@ def main(argv: list[str] | None = None) -> int:
                     data_workers=args.data_workers, init_from=args.init_from, extend_vocab=args.extend_vocab,
                     config_overrides=overrides or None, profile=args.profile,
                     delta_precision=args.delta_precision, attention=args.train_attention,
-                    cycle=tuple(args.cycle) if args.cycle else None, arith_hard=args.arith_hard)
+                    cycle=tuple(args.cycle) if args.cycle else None, arith_hard=args.arith_hard, arith_mixed=args.arith_mixed)
     summary.pop("final_params")
     summary["train_wall_s"] = time.perf_counter() - t0
     print(json.dumps({"train": summary}), flush=True)
