@@ -152,6 +152,10 @@ def test_a_custom_cycle_weights_buckets_and_bad_ones_are_refused():
     assert sum(b["kind"] == "arithmetic" for b in picked) == 20 and {b["T"] for b in picked} == {64, 1024, 4224}
     # before the curriculum ends the long-needle bucket (phase 1) is left out
     assert {b["T"] for b in (train.bucket_for_step(s, 100, bks, False, 0.5, None, cycle) for s in range(20))} == {64, 1024}
+    # the longest needle bucket (past the probes' 4k-token contexts) only joins through a cycle
+    assert bks[8]["kind"] == "needle" and bks[8]["T"] == 5248 and bks[8]["needle"][1] > 4000
+    assert all(b["T"] <= 4224 for b in (train.bucket_for_step(s, 100, bks, False, 0.0) for s in range(40)))
+    assert train.bucket_for_step(1, 100, bks, False, 0.0, None, (0, 8))["T"] == 5248
     with pytest.raises(ValueError, match="no bucket"):
         train.check_cycle((0, len(bks)), bks, None)
     with pytest.raises(ValueError, match="none of its buckets"):
@@ -453,6 +457,13 @@ def test_evaluate_scores_every_probe_and_lists_each_miss(smoke_runs):
         assert r["n"] == 2 and r["right"] + len(mine) == 2 and r["accuracy"] == r["right"] / 2
         assert all(m["got"].strip() != m["expected"] and m["prompt_tokens"] > 0 and m["question"] for m in mine)
     assert misses, "a 16-step smoke model cannot answer every probe"
+    # one kind alone: the same probes as in the full draw, so the same score and misses
+    needle_misses: list = []
+    only = train.evaluate(full["export"], 2, needle_tokens=(30, 60), mode="pieces", max_tokens=6,
+                          misses=needle_misses, kinds=("needle",))
+    assert only == {"needle": acc["needle"]} and needle_misses == [m for m in misses if m["kind"] == "needle"]
+    with pytest.raises(ValueError, match="no probe kind"):
+        train.evaluate(full["export"], 1, kinds=("echo",))
 
 
 def test_init_from_an_export_starts_where_that_run_ended(smoke_runs, tmp_path):
