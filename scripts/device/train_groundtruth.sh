@@ -21,21 +21,24 @@ train_s=${1:?TRAIN_S}; limit=${2:?CALL_LIMIT_S}; shift 2
 probes=${PROBES:-0}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 mkdir -p runs "$OUT"
+left() {  # seconds left before CALL_LIMIT_S, at least 1 (`timeout 0` would mean no limit at all)
+  local s=$((limit - SECONDS)); echo $((s > 0 ? s : 1))
+}
 run() {  # name extra-args (one string, word-split)
   local name=$1 extra=$2
   # shellcheck disable=SC2086
-  timeout "$limit" python3 -m weights.groundtruth.train --out "runs/$name" --ckpt-every 200 \
+  timeout -k 10 "$limit" python3 -m weights.groundtruth.train --out "runs/$name" --ckpt-every 200 \
     --time-limit "$train_s" --probes 0 ${TRAIN_ARGS:-} $extra >> "$OUT/$name.log" 2>&1
   if [ -f "runs/$name/export/model.safetensors" ]; then
     tar czf "$OUT/$name-export.tgz" -C "runs/$name" export  # one file: $OUT returns a few files only
     # where the attention heads look on short needles (weights/groundtruth/needle_attention.py)
-    timeout $((limit - SECONDS)) python3 -m weights.groundtruth.needle_attention "runs/$name/export" >> "$OUT/$name.log" 2>&1
+    timeout -k 10 "$(left)" python3 -m weights.groundtruth.needle_attention "runs/$name/export" >> "$OUT/$name.log" 2>&1
     probe "runs/$name/export" >> "$OUT/$name.log" 2>&1
   fi
 }
 probe() {  # export dir: PROBES per kind on each of PROBE_SEEDS, on the GPU in fp32 at full precision
   [ "$probes" -gt 0 ] || return 0
-  JAX_DEFAULT_MATMUL_PRECISION=highest timeout $((limit - SECONDS)) python3 -c "
+  JAX_DEFAULT_MATMUL_PRECISION=highest timeout -k 10 "$(left)" python3 -c "
 import json, sys, time
 from weights.groundtruth import tasks
 from weights.groundtruth.train import evaluate
