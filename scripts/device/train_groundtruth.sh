@@ -3,10 +3,12 @@
 # (a 7M-parameter model leaves most of an H200 idle: two runs side by side each kept ~90 % of
 # their solo speed in session 3). Each run stops after TRAIN_S seconds of training (checkpoint +
 # export, even if short of its steps); its export comes back as one tarball in $OUT, its log as
-# $OUT/NAME.log, followed by weights.groundtruth.needle_attention's look at its attention heads, and
-# with PROBES > 0 held-out probes (PROBES per kind of PROBE_KINDS, on each of PROBE_SEEDS; default:
+# $OUT/NAME.log, followed by weights.groundtruth.needle_attention's look at its attention heads
+# (NEEDLE_ATTENTION=0 skips it), and with PROBES > 0 held-out probes (PROBES per kind of PROBE_KINDS,
+# on each of PROBE_SEEDS, one process per seed side by side: greedy decoding is host-bound; default:
 # all kinds, the standard seed) are evaluated on the GPU afterwards, in fp32 at full matmul
-# precision, and so are the exports named in BASELINES (their logs: $OUT/baseline-NAME.log).
+# precision, and so are the exports named in BASELINES (their logs: $OUT/baseline-PATH.log, the
+# path's slashes as dashes). With no run specs (TRAIN_S 0) the call only evaluates BASELINES.
 # Rerun on the same (still warm) machine with the same specs to continue from the checkpoints; a
 # fresh machine starts over, so size TRAIN_S to the call and keep the exports that come back.
 #   [PROBES=0] [TRAIN_ARGS=...] bash scripts/device/train_groundtruth.sh TRAIN_S CALL_LIMIT_S 'NAME=train.py args' ...
@@ -32,27 +34,33 @@ run() {  # name extra-args (one string, word-split)
   if [ -f "runs/$name/export/model.safetensors" ]; then
     tar czf "$OUT/$name-export.tgz" -C "runs/$name" export  # one file: $OUT returns a few files only
     # where the attention heads look on short needles (weights/groundtruth/needle_attention.py)
-    timeout -k 10 "$(left)" python3 -m weights.groundtruth.needle_attention "runs/$name/export" >> "$OUT/$name.log" 2>&1
+    [ "${NEEDLE_ATTENTION:-1}" = 0 ] ||
+      timeout -k 10 "$(left)" python3 -m weights.groundtruth.needle_attention "runs/$name/export" >> "$OUT/$name.log" 2>&1
     probe "runs/$name/export" >> "$OUT/$name.log" 2>&1
   fi
 }
-probe() {  # export dir: PROBES per kind on each of PROBE_SEEDS, on the GPU in fp32 at full precision
+probe() {  # export dir: PROBES per kind on each of PROBE_SEEDS (a process each), on the GPU in fp32 at full precision
   [ "$probes" -gt 0 ] || return 0
-  JAX_DEFAULT_MATMUL_PRECISION=highest timeout -k 10 "$(left)" python3 -c "
+  local seed
+  for seed in ${PROBE_SEEDS:-standard}; do
+    JAX_DEFAULT_MATMUL_PRECISION=highest timeout -k 10 "$(left)" python3 -c "
 import json, sys, time
 from weights.groundtruth import tasks
 from weights.groundtruth.train import evaluate
-for seed in [int(s) for s in sys.argv[3].split()] or [tasks.PROBE_SEED]:
-    misses, t0 = [], time.time()
-    r = evaluate(sys.argv[1], $probes, mode='pieces', seed=seed, misses=misses, kinds=tuple(sys.argv[2].split()))
-    print(json.dumps({'export': sys.argv[1], 'seed': seed, 'eval': r, 'wall_s': round(time.time() - t0), 'misses': misses}), flush=True)
-" "$1" "${PROBE_KINDS:-arithmetic needle recall}" "${PROBE_SEEDS:-}"
+seed = tasks.PROBE_SEED if sys.argv[3] == 'standard' else int(sys.argv[3])
+misses, t0 = [], time.time()
+r = evaluate(sys.argv[1], $probes, mode='pieces', seed=seed, misses=misses, kinds=tuple(sys.argv[2].split()))
+print(json.dumps({'export': sys.argv[1], 'seed': seed, 'eval': r, 'wall_s': round(time.time() - t0), 'misses': misses}), flush=True)
+" "$1" "${PROBE_KINDS:-arithmetic needle recall}" "$seed" &
+  done
+  wait
 }
+log_name() { echo "baseline-$(echo "$1" | tr / -).log"; }
 for spec in "$@"; do
   run "${spec%%=*}" "${spec#*=}" &
 done
 for dir in ${BASELINES:-}; do  # exports to score beside the runs (the model they start from)
-  probe "$dir" > "$OUT/baseline-$(basename "$dir").log" 2>&1 &
+  probe "$dir" > "$OUT/$(log_name "$dir")" 2>&1 &
 done
 wait
 [ "${KEEP_CACHE:-0}" = 1 ] && [ -d runs/jax_cache ] && tar czf "$OUT/jax-cache.tgz" -C runs jax_cache
@@ -62,5 +70,5 @@ for spec in "$@"; do
   grep -h '"eval"\|"train"\|"profile"\|"first_token_right"\|Error' "$OUT/$n.log" | cut -c1-600
 done
 for dir in ${BASELINES:-}; do
-  echo "== baseline $dir"; grep -h '"eval"\|Error' "$OUT/baseline-$(basename "$dir").log" | cut -c1-400
+  echo "== baseline $dir"; grep -h '"eval"\|Error' "$OUT/$(log_name "$dir")" | cut -c1-400
 done

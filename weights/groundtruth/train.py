@@ -50,6 +50,7 @@ import threading
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +61,7 @@ from jaxserve.config import LINEAR_ATTENTION, ModelConfig
 from jaxserve.models import decoder, gated_deltanet
 from jaxserve.models.layers import attention_in, attention_out, mlp, moe, rms_norm
 from jaxserve.models.params import build_params, hf_shapes
+from weights.groundtruth import grow as gt_grow
 from weights.groundtruth import tasks
 from weights.groundtruth import tokenizer as gt_tokenizer
 
@@ -639,10 +641,29 @@ def _decay_mask(params):
     return jax.tree.map(lambda x: x.ndim >= 2, params)
 
 
-def make_train_state(params, lr: float, steps: int, warmup: int):
+class _ElementScales(NamedTuple):
+    scales: Any  # a pytree like the params: each update element's multiplier
+
+
+def _scale_elements(scales):
+    """An optax transform multiplying each update element by ``scales`` (a params-like pytree),
+    kept in the optimiser state (device arrays, not constants baked into the compiled step)."""
+    import optax
+
+    return optax.GradientTransformation(lambda params: _ElementScales(scales),
+                                        lambda updates, state, params=None: (
+                                            jax.tree.map(jnp.multiply, updates, state.scales), state))
+
+
+def make_train_state(params, lr: float, steps: int, warmup: int, lr_scales=None):
+    """A fresh TrainState; ``lr_scales`` (a params-like pytree, e.g. ``--grow-lr-scale`` on the
+    elements ``grow.new_elements`` marks) multiplies each element's AdamW update."""
+    import optax
     from flax.training import train_state
 
     tx, schedule = _optimizer(lr, steps, warmup)
+    if lr_scales is not None:
+        tx = optax.chain(tx, _scale_elements(lr_scales))
     state = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
     # Every leaf a device array with a fixed dtype (``step`` starts as a Python int): the fresh, the
     # restored and the stepped state then share one compiled step.
@@ -776,6 +797,20 @@ def _export_tensors(folder: str | Path, cfg: ModelConfig, config: dict, tok=None
     return tensors
 
 
+def _grown_tensors(folder: str | Path, cfg: ModelConfig, config: dict, seed: int):
+    """``--init-from EXPORT --grow``: (tensors, new-element masks) of the bigger model ``config``
+    computing exactly the export's function (``grow.grow_tensors``; new parts random from ``seed``)."""
+    from weights.loader import load_tensors
+
+    with open(Path(folder) / "config.json") as f:
+        theirs = json.load(f)
+    gt_grow.check_growth(theirs, config)
+    old_cfg = ModelConfig.from_hf(theirs)
+    old = load_tensors(folder, hf_shapes(old_cfg), "float32", tie_word_embeddings=old_cfg.tie_word_embeddings)
+    grown = gt_grow.grow_tensors(old, old_cfg, cfg, init_tensors(cfg, seed))
+    return grown, gt_grow.new_elements(grown, old, old_cfg, cfg)
+
+
 def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool = False, seed: int = 0,
           lr: float | None = None, batch_tokens: int | None = None, ckpt_every: int = 200, warmup: int | None = None,
           curriculum: float = 0.25, log_every: int = 10, extend_vocab: bool = False,
@@ -783,7 +818,7 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
           time_limit: float | None = None, data_workers: int = 0, init_from: str | Path | None = None,
           config_overrides: dict | None = None, profile: int = 0, delta_precision: str = "highest",
           attention: str = "dense", cycle: tuple[int, ...] | None = None, arith_hard: float = 0.0,
-          arith_mixed: float = 1.0, log=print) -> dict:
+          arith_mixed: float = 1.0, grow: bool = False, grow_lr_scale: float = 1.0, log=print) -> dict:
     """Train (resuming from DIR/checkpoints if present) and export to DIR/export. Returns a summary
     (``final_params``: the trained pytree). ``kinds`` restricts the buckets to those task kinds;
     ``stop_at`` ends the run early after a checkpoint, without export (as a preempted run would);
@@ -813,7 +848,10 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
     fraction of arithmetic problems drawn carry/borrow-heavy (``tasks.arithmetic``); ``arith_mixed``
     (``--arith-mixed``) the fraction whose operands are drawn by digit count (1-4 digits equally
     often: short problems teach alignment and carries early), the rest uniform over 0..9999 as the
-    probes draw them (81 % of them with two 4-digit operands, 6 % by digit count)."""
+    probes draw them (81 % of them with two 4-digit operands, 6 % by digit count). ``grow``
+    (``--grow``, with ``init_from``): the config may add layers and attention heads to the export's
+    (``grow.GROW_KEYS``); the export is grown into it with the same function at step 0
+    (``grow.grow_tensors``), and ``grow_lr_scale`` multiplies the updates of the new elements."""
     for flag, f in (("arith_hard", arith_hard), ("arith_mixed", arith_mixed)):
         if not 0.0 <= f <= 1.0:
             raise ValueError(f"{flag}={f}: a fraction in [0, 1]")
@@ -828,6 +866,10 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
     if attention in GPU_ONLY_ATTENTION and (jax.default_backend() != "gpu" or compute_dtype == "float32"):
         raise ValueError(f"attention={attention!r} runs on a GPU in bf16 only "
                          f"(backend {jax.default_backend()}, compute {compute_dtype or 'default'})")
+    if grow and (init_from is None or moe_variant or extend_vocab):
+        raise ValueError("grow needs init_from (a dense export), without moe_variant or extend_vocab")
+    if grow_lr_scale <= 0 or (grow_lr_scale != 1.0 and not grow):
+        raise ValueError(f"grow_lr_scale={grow_lr_scale}: positive, and only with grow")
     if extend_vocab and init_from is None:
         raise ValueError("extend_vocab extends an --init-from export's tokenizer; a fresh run's already has the name tokens")
     out = Path(out)
@@ -854,11 +896,20 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
     batch_tokens = batch_tokens or (2048 if smoke else 16384)
     warmup = warmup if warmup is not None else min(200, max(1, steps // 10))
 
-    tensors = (init_tensors(cfg, seed) if init_from is None
-               else _export_tensors(init_from, cfg, config, tok if extend_vocab else None, seed))
+    lr_scales = None
+    if grow:
+        tensors, new = _grown_tensors(init_from, cfg, config, seed)
+        if grow_lr_scale != 1.0:
+            lr_scales = build_params(cfg, {k: 1.0 + (grow_lr_scale - 1.0) * m for k, m in new.items()},
+                                     lambda x: jnp.asarray(x, jnp.float32))
+        log(f"grown from {init_from}: {int(sum(m.sum() for m in new.values())):,} new parameters "
+            f"(updates x{grow_lr_scale:g})")
+    else:
+        tensors = (init_tensors(cfg, seed) if init_from is None
+                   else _export_tensors(init_from, cfg, config, tok if extend_vocab else None, seed))
     params = build_params(cfg, tensors, lambda x: jnp.asarray(x, jnp.float32))
     n_params = sum(x.size for x in jax.tree.leaves(params))
-    state, schedule = make_train_state(params, lr, steps, warmup)
+    state, schedule = make_train_state(params, lr, steps, warmup, lr_scales)
     mngr = _checkpointer(out / "checkpoints", ckpt_every)
     start = 0
     if mngr.latest_step() is not None:
@@ -963,6 +1014,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--init-from", metavar="EXPORT_DIR",
                     help="start from an earlier run's export instead of random weights (new optimiser state); "
                          "with --moe, a dense export of the same size is upcycled (same function at step 0)")
+    ap.add_argument("--grow", action="store_true",
+                    help="with --init-from and --config: add layers / attention heads to the export's model "
+                         "(same function at step 0: weights/groundtruth/grow.py)")
+    ap.add_argument("--grow-lr-scale", type=float, default=1.0, metavar="K",
+                    help="with --grow: the new weights' updates are K times the rest's")
     ap.add_argument("--extend-vocab", action="store_true",
                     help="with --init-from: append one token per needle NAME to the export's tokenizer "
                          "(ids kept) and matching embedding rows (mean of the name's old pieces)")
@@ -994,7 +1050,8 @@ def main(argv: list[str] | None = None) -> int:
                     data_workers=args.data_workers, init_from=args.init_from, extend_vocab=args.extend_vocab,
                     config_overrides=overrides or None, profile=args.profile,
                     delta_precision=args.delta_precision, attention=args.train_attention,
-                    cycle=tuple(args.cycle) if args.cycle else None, arith_hard=args.arith_hard, arith_mixed=args.arith_mixed)
+                    cycle=tuple(args.cycle) if args.cycle else None, arith_hard=args.arith_hard, arith_mixed=args.arith_mixed,
+                    grow=args.grow, grow_lr_scale=args.grow_lr_scale)
     summary.pop("final_params")
     summary["train_wall_s"] = time.perf_counter() - t0
     print(json.dumps({"train": summary}), flush=True)
