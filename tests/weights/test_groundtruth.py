@@ -87,6 +87,28 @@ def test_needle_training_follow_ups_ask_about_the_same_context(tok):
     assert all(len(p.messages) == 1 for p in tasks.probes(3, needle_tokens=(100, 200)) if p.kind == "needle")
 
 
+def test_shared_prefix_needles_plant_distractors_that_start_like_each_asked_code(tok):
+    """--needle-shared: each asked code gets 1-3 other lines whose codes share its first 1-5 digits
+    and differ right after; every answer is still its line's code; at 0 no draw is made."""
+    rng = random.Random(3)
+    for _ in range(30):
+        msgs = tasks.needle(rng, 400, _count(tok), follow_ups=4, shared_prefix=1.0)
+        lines = re.findall(r"The code for ([A-Z][a-z]+) is (\d{6})\.", msgs[0]["content"])
+        codes = dict(lines)
+        assert len(codes) == len(lines)  # names still distinct
+        asked = [re.search(r"code for ([A-Z][a-z]+)\?", q["content"])[1] for q in msgs[0::2]]
+        assert all(codes[n] == a["content"] for n, a in zip(asked, msgs[1::2]))
+        for n in set(asked):
+            alike = [c for m, c in lines if m not in asked and c[0] == codes[n][0]]
+            assert alike and all(c != codes[n] for c in alike)
+    r1, r2 = random.Random(9), random.Random(9)
+    assert ([tasks.needle(r1, 300, _count(tok), 3) for _ in range(5)]
+            == [tasks.needle(r2, 300, _count(tok), 3, shared_prefix=0.0) for _ in range(5)])
+    assert r1.random() == r2.random()
+    with pytest.raises(ValueError, match="fraction"):
+        train.train("/nonexistent", 1, smoke=True, needle_shared=-0.1)
+
+
 def test_echo_restates_context_lines_and_supervises_only_their_codes(tok):
     rng = random.Random(5)
     for _ in range(20):

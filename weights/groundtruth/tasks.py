@@ -171,21 +171,47 @@ def _context_pairs(rng: random.Random, context_tokens: int,
 
 
 def needle(rng: random.Random, context_tokens: int, count_tokens: Callable[[str], int] | None = None,
-           follow_ups: int = 0) -> list[dict]:
+           follow_ups: int = 0, shared_prefix: float = 0.0) -> list[dict]:
     """A needle conversation whose context is about ``context_tokens`` tokens (``_context_pairs``).
-    The probe form has ``follow_ups=0``: one user message, one answer."""
+    The probe form has ``follow_ups=0`` and ``shared_prefix=0``: one user message, one answer.
+    Training only: ``follow_ups`` more questions about the same context in later turns (every
+    answer is supervised, so a sequence teaches retrieval several times instead of once: a single
+    7-token answer per 1k-token sequence left the model at chance after 1000 needle steps), and
+    in a ``shared_prefix`` fraction of conversations distractor lines whose codes start like the
+    asked ones (``_share_prefixes``)."""
     pairs = _context_pairs(rng, context_tokens, count_tokens)
-    target, code = rng.choice(pairs)
+    target, _ = rng.choice(pairs)
+    others = [n for n, _ in rng.sample(pairs, min(len(pairs), follow_ups))]
+    if shared_prefix > 0.0 and rng.random() < shared_prefix:  # no draw at 0: the probes' stream is kept
+        pairs = _share_prefixes(rng, pairs, [target, *others])
+    code_of = dict(pairs)
     context = "\n".join(_line(n, c) for n, c in pairs)
     msgs = [{"role": "user", "content": f"{context}\n\nWhat is the code for {target}?"},
-            {"role": "assistant", "content": code}]
-    # Training only: more questions about the same context in later turns. Every answer is
-    # supervised, so a sequence teaches retrieval several times instead of once (a single
-    # 7-token answer per 1k-token sequence left the model at chance after 1000 needle steps).
-    for other, other_code in rng.sample(pairs, min(len(pairs), follow_ups)):
+            {"role": "assistant", "content": code_of[target]}]
+    for other in others:
         msgs += [{"role": "user", "content": f"What is the code for {other}?"},
-                 {"role": "assistant", "content": other_code}]
+                 {"role": "assistant", "content": code_of[other]}]
     return msgs
+
+
+def _share_prefixes(rng: random.Random, pairs: list[tuple[str, str]], asked: list[str],
+                    most: int = 3) -> list[tuple[str, str]]:
+    """``pairs`` with, for each asked name, 1 to ``most`` other (not asked) lines whose codes now
+    share the asked code's first 1-5 digits (then differ). Why: a third of the default model's
+    needle misses copied the right first digit(s) and then went on from another line whose code
+    starts the same way (``871439`` -> ``871578``): digit-by-digit copying must keep to the asked
+    line, which uniformly drawn codes rarely test."""
+    code_of = dict(pairs)
+    free = [n for n, _ in pairs if n not in set(asked)]
+    for name_ in dict.fromkeys(asked):
+        for other in rng.sample(free, min(len(free), rng.randint(1, most))):
+            free.remove(other)  # one asked code per distractor (a later one would overwrite it)
+            code, k = code_of[name_], rng.randint(1, 5)
+            rest = "".join(rng.choice("0123456789") for _ in range(6 - k))
+            if rest[0] == code[k]:  # differ right after the shared prefix
+                rest = str((int(rest[0]) + 1) % 10) + rest[1:]
+            code_of[other] = code[:k] + rest
+    return [(n, code_of[n]) for n, _ in pairs]
 
 
 def needle_echo(rng: random.Random, context_tokens: int, count_tokens: Callable[[str], int] | None = None,
@@ -236,9 +262,11 @@ def recall(rng: random.Random, min_between: int = 1, max_between: int = 4) -> li
 
 def example(kind: str, rng: random.Random, needle_tokens: tuple[int, int] = (1000, 4000),
             count_tokens: Callable[[str], int] | None = None, needle_follow_ups: int = 0,
-            mixed_digits: float = 0.0, arith_hard: float = 0.0) -> list[dict]:
+            mixed_digits: float = 0.0, arith_hard: float = 0.0, needle_shared: float = 0.0) -> list[dict]:
     """One conversation of ``kind``. Training options (probes use none): ``needle_follow_ups``
-    adds up to that many more questions about the same needle context; ``mixed_digits`` draws
+    adds up to that many more questions about the same needle context, ``needle_shared`` the
+    fraction of needle contexts with distractor codes sharing the asked codes' leading digits
+    (``needle``); ``mixed_digits`` draws
     that fraction of arithmetic operands by digit count, ``arith_hard`` that fraction of problems
     carry/borrow-heavy (``arithmetic``)."""
     if kind == "arithmetic":
@@ -247,7 +275,7 @@ def example(kind: str, rng: random.Random, needle_tokens: tuple[int, int] = (100
         context = rng.randint(*needle_tokens)
         # no draw for probes (follow-ups 0): the held-out stream does not depend on the training option
         follow = rng.randint(0, needle_follow_ups) if needle_follow_ups else 0
-        return needle(rng, context, count_tokens, follow)
+        return needle(rng, context, count_tokens, follow, needle_shared)
     if kind == "recall":
         return recall(rng)
     raise ValueError(f"unknown task kind {kind!r}; have {KINDS}")

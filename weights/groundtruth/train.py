@@ -383,11 +383,12 @@ def bucket_for_step(step: int, steps: int, bks: list[dict], smoke: bool, curricu
 
 
 def make_batch(tok, bucket: dict, seed: int, step: int, arith_hard: float = 0.0,
-               arith_mixed: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+               arith_mixed: float = 1.0, needle_shared: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """[B, T] tokens (padded with <|endoftext|>) and loss mask; a function of (seed, step).
     ``arith_hard``: the fraction of arithmetic problems drawn carry/borrow-heavy, ``arith_mixed``
     the fraction with operands drawn by digit count, the rest as the probes draw them
-    (``tasks.arithmetic``)."""
+    (``tasks.arithmetic``); ``needle_shared`` the fraction of needle contexts with distractor codes
+    sharing the asked codes' leading digits (``tasks.needle``)."""
     rng = random.Random(seed * 1_000_003 + step)
     pad = tok.token_to_id("<|endoftext|>")
     B, T = bucket["B"], bucket["T"]
@@ -400,7 +401,7 @@ def make_batch(tok, bucket: dict, seed: int, step: int, arith_hard: float = 0.0,
                 ids, m = tasks.encode_segments(tok, tasks.needle_echo(rng, rng.randint(*bucket["needle"]), count))
             else:
                 msgs = tasks.example(bucket["kind"], rng, bucket["needle"] or (0, 0), count, NEEDLE_FOLLOW_UPS,
-                                     mixed_digits=arith_mixed, arith_hard=arith_hard)
+                                     mixed_digits=arith_mixed, arith_hard=arith_hard, needle_shared=needle_shared)
                 ids, m = tasks.encode(tok, msgs)
             if len(ids) <= T:
                 break
@@ -449,7 +450,7 @@ _WORKER_TOKENIZERS: dict = {}
 
 def batch_for_step(step: int, *, tokenizer_dir: str, steps: int, bks: list[dict], smoke: bool, curriculum: float,
                    kinds: tuple[str, ...] | None, seed: int, cycle: tuple[int, ...] | None = None,
-                   arith_hard: float = 0.0, arith_mixed: float = 1.0):
+                   arith_hard: float = 0.0, arith_mixed: float = 1.0, needle_shared: float = 0.0):
     """(bucket, (tokens, mask)) of ``step``: a pure function of its arguments (picklable with
     ``functools.partial`` for Prefetcher's worker processes, which load the tokenizer once)."""
     from jaxserve.tokenizer import Tokenizer
@@ -458,7 +459,7 @@ def batch_for_step(step: int, *, tokenizer_dir: str, steps: int, bks: list[dict]
     if tok is None:
         tok = _WORKER_TOKENIZERS[tokenizer_dir] = Tokenizer.from_dir(tokenizer_dir)
     bucket = bucket_for_step(step, steps, bks, smoke, curriculum, kinds, cycle)
-    return bucket, make_batch(tok, bucket, seed, step, arith_hard, arith_mixed)
+    return bucket, make_batch(tok, bucket, seed, step, arith_hard, arith_mixed, needle_shared)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -818,7 +819,8 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
           time_limit: float | None = None, data_workers: int = 0, init_from: str | Path | None = None,
           config_overrides: dict | None = None, profile: int = 0, delta_precision: str = "highest",
           attention: str = "dense", cycle: tuple[int, ...] | None = None, arith_hard: float = 0.0,
-          arith_mixed: float = 1.0, grow: bool = False, grow_lr_scale: float = 1.0, log=print) -> dict:
+          arith_mixed: float = 1.0, grow: bool = False, grow_lr_scale: float = 1.0, needle_shared: float = 0.0,
+          log=print) -> dict:
     """Train (resuming from DIR/checkpoints if present) and export to DIR/export. Returns a summary
     (``final_params``: the trained pytree). ``kinds`` restricts the buckets to those task kinds;
     ``stop_at`` ends the run early after a checkpoint, without export (as a preempted run would);
@@ -851,8 +853,10 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
     probes draw them (81 % of them with two 4-digit operands, 6 % by digit count). ``grow``
     (``--grow``, with ``init_from``): the config may add layers and attention heads to the export's
     (``grow.GROW_KEYS``); the export is grown into it with the same function at step 0
-    (``grow.grow_tensors``), and ``grow_lr_scale`` multiplies the updates of the new elements."""
-    for flag, f in (("arith_hard", arith_hard), ("arith_mixed", arith_mixed)):
+    (``grow.grow_tensors``), and ``grow_lr_scale`` multiplies the updates of the new elements.
+    ``needle_shared`` (``--needle-shared``): the fraction of training needle contexts with distractor
+    lines whose codes share the asked codes' first 1-5 digits (``tasks.needle``; probes unchanged)."""
+    for flag, f in (("arith_hard", arith_hard), ("arith_mixed", arith_mixed), ("needle_shared", needle_shared)):
         if not 0.0 <= f <= 1.0:
             raise ValueError(f"{flag}={f}: a fraction in [0, 1]")
     import orbax.checkpoint as ocp
@@ -927,7 +931,7 @@ def train(out: str | Path, steps: int, *, smoke: bool = False, moe_variant: bool
     end = min(steps, stop_at) if stop_at is not None else steps
     batch = partial(batch_for_step, tokenizer_dir=str(export_dir), steps=steps, bks=bks, smoke=smoke,
                     curriculum=curriculum, kinds=kinds, seed=seed, cycle=cycle, arith_hard=arith_hard,
-                    arith_mixed=arith_mixed)
+                    arith_mixed=arith_mixed, needle_shared=needle_shared)
     fetch = Prefetcher(batch, range(start, end), depth=16 if data_workers else 8, workers=data_workers)
     compiled: set = set()
     losses: list[float] = []
@@ -1001,6 +1005,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arith-mixed", type=float, default=1.0, metavar="F",
                     help="fraction of arithmetic problems with operands drawn by digit count; the rest "
                          "uniform over 0..9999 like the probes")
+    ap.add_argument("--needle-shared", type=float, default=0.0, metavar="F",
+                    help="fraction of needle contexts with distractor codes sharing the asked codes' "
+                         "leading digits (tasks._share_prefixes)")
     ap.add_argument("--ckpt-every", type=int, default=200)
     ap.add_argument("--time-limit", type=float, help="seconds of training, then checkpoint + export (resume later)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
@@ -1051,7 +1058,7 @@ def main(argv: list[str] | None = None) -> int:
                     config_overrides=overrides or None, profile=args.profile,
                     delta_precision=args.delta_precision, attention=args.train_attention,
                     cycle=tuple(args.cycle) if args.cycle else None, arith_hard=args.arith_hard, arith_mixed=args.arith_mixed,
-                    grow=args.grow, grow_lr_scale=args.grow_lr_scale)
+                    grow=args.grow, grow_lr_scale=args.grow_lr_scale, needle_shared=args.needle_shared)
     summary.pop("final_params")
     summary["train_wall_s"] = time.perf_counter() - t0
     print(json.dumps({"train": summary}), flush=True)
