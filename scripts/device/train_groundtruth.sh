@@ -5,8 +5,9 @@
 # export, even if short of its steps); its export comes back as one tarball in $OUT, its log as
 # $OUT/NAME.log, followed by weights.groundtruth.needle_attention's look at its attention heads
 # (NEEDLE_ATTENTION=0 skips it), and with PROBES > 0 held-out probes (PROBES per kind of PROBE_KINDS,
-# on each of PROBE_SEEDS, one process per seed side by side: greedy decoding is host-bound; default:
-# all kinds, the standard seed) are evaluated on the GPU afterwards, in fp32 at full matmul
+# on each of PROBE_SEEDS, PROBE_PARALLEL seeds at a time, default 1: 18 processes side by side spent
+# a whole call compiling in session 12; default: all kinds, the standard seed) are evaluated on the
+# GPU afterwards, in fp32 at full matmul
 # precision, and so are the exports named in BASELINES (their logs: $OUT/baseline-PATH.log, the
 # path's slashes as dashes). With no run specs (TRAIN_S 0) the call only evaluates BASELINES.
 # Rerun on the same (still warm) machine with the same specs to continue from the checkpoints; a
@@ -41,8 +42,10 @@ run() {  # name extra-args (one string, word-split)
 }
 probe() {  # export dir: PROBES per kind on each of PROBE_SEEDS (a process each), on the GPU in fp32 at full precision
   [ "$probes" -gt 0 ] || return 0
-  local seed
+  local seed n=0
   for seed in ${PROBE_SEEDS:-standard}; do
+    if [ "$n" -ge "${PROBE_PARALLEL:-1}" ]; then wait -n; n=$((n - 1)); fi
+    n=$((n + 1))
     JAX_DEFAULT_MATMUL_PRECISION=highest timeout -k 10 "$(left)" python3 -c "
 import json, sys, time
 from weights.groundtruth import tasks
