@@ -11,6 +11,10 @@ does not name must come back bit-identical; the same call repeated must give bit
 results (a moving result is a race). Exit status 1 if any case fails. The ragged prefill suites
 (``chunked``, ``conv1d``) check every output and state against a float64 oracle on a subset of
 heads / channels and against the jnp reference on the GPU, and padding tokens must give zeros.
+The ``moe`` suite (``--suites moe``; not run by default yet) checks the routed experts
+(``pallas_kernels/moe.py``) at decode and prefill token counts against a float64 oracle on up to 64
+tokens and against ``layers.routed_experts`` (``lax.ragged_dot``) on the GPU, and reports the max
+absolute error beside the relative ones.
 """
 
 from __future__ import annotations
@@ -468,13 +472,123 @@ def conv1d_checks(interpret=False):
         yield r
 
 
+# ------------------------------------------------------------------------------------------------
+# MoE routed experts (pallas_kernels/moe.py): the grouped GEMM (fused gate/up + SiLU, then down with
+# the routing weights) and the decode gather path, at the target model's shapes: hidden 2048, 64
+# experts top-8, expert intermediate 512, bf16.
+# ------------------------------------------------------------------------------------------------
+
+MOE_MODEL = dict(E=64, k=8, H=2048, I=512)
+# (tokens, routing): decode 1 / 8 / 32 tokens, prefill 512 / 4096; "skewed" routes most rows to a
+# few experts and none to a quarter of them (empty groups, groups of many tiles).
+MOE_CASES = [(1, "random"), (8, "random"), (32, "random"), (512, "random"), (4096, "random"), (4096, "skewed")]
+# Variants: the kernel at every token count (gather_below=0: moe_experts' default takes the gather
+# path below E routed rows), its 2-stage ring (96 KiB of SMEM: two programs per SM), and the gather
+# path (decode sizes only: it materialises n * k experts' weights).
+MOE_VARIANTS = {"moe_s4": dict(gather_below=0), "moe_s2": dict(gather_below=0, stages=2),
+                "moe_gather": None}
+MOE_GATHER_MAX_TOKENS = 32
+MOE_ORACLE_TOKENS = 64  # tokens checked against float64 (tokens are independent)
+# bf16 operands, fp32 products; the intermediate and each weighted expert output rounded to bf16 once
+# (METHOD.md: between 1e-3 and 1e-2). The jnp reference rounds after every op: twice the margin.
+MOE_TOL, MOE_JNP_TOL = 1e-2, 2e-2
+
+
+def moe_routing(rng, n, E, k, kind):
+    """(top_w [n, k] fp32, top_i [n, k]): k distinct experts per token with softmax-like weights
+    summing to 1; "skewed" draws from a Zipf-like law over three quarters of the experts."""
+    if kind == "skewed":
+        p = np.zeros(E)
+        p[: 3 * E // 4] = 1.0 / np.arange(1, 3 * E // 4 + 1)
+        p = p / p.sum()
+        top_i = np.stack([rng.choice(E, k, replace=False, p=p) for _ in range(n)])
+    else:
+        top_i = np.argsort(rng.random((n, E)), axis=1)[:, :k]
+    w = np.exp(rng.normal(size=(n, k)))
+    return (w / w.sum(1, keepdims=True)).astype(np.float32), top_i.astype(np.int32)
+
+
+def moe_oracle64(x, top_w, top_i, gate_up, down, tokens):
+    """Σ_s top_w[t, s] * down_e(silu(gate_e(x_t)) * up_e(x_t)) in float64 for ``tokens``, one
+    expert at a time (each expert's weights converted once)."""
+    out = np.zeros((len(tokens), x.shape[1]))
+    inter = down.shape[1]
+    sel_i, sel_w = top_i[tokens], top_w[tokens].astype(np.float64)
+    for e in np.unique(sel_i):
+        r, s = np.nonzero(sel_i == e)
+        gu = x[tokens[r]].astype(np.float64) @ gate_up[e].astype(np.float64)
+        g, u = gu[:, :inter], gu[:, inter:]
+        np.add.at(out, r, sel_w[r, s][:, None] * ((g / (1 + np.exp(-g)) * u) @ down[e].astype(np.float64)))
+    return out
+
+
+def check_moe(n, kind, variant, seed, interpret=False):
+    from jaxserve.models.layers import routed_experts
+    from pallas_kernels import moe
+
+    m = dict(E=8, k=2, H=64, I=64) if interpret else MOE_MODEL
+    E, k, H, I = m["E"], m["k"], m["H"], m["I"]
+    rng = np.random.default_rng(seed)
+    bf = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32))  # noqa: E731  (round once)
+    x = bf(rng.standard_normal((n, H), dtype=np.float32))
+    gate_up = bf(rng.standard_normal((E, H, 2 * I), dtype=np.float32) * np.float32(H ** -0.5))
+    down = bf(rng.standard_normal((E, I, H), dtype=np.float32) * np.float32(I ** -0.5))
+    top_w, top_i = moe_routing(rng, n, E, k, kind)
+    args = (jnp.asarray(x, jnp.bfloat16), jnp.asarray(top_w), jnp.asarray(top_i),
+            jnp.asarray(gate_up, jnp.bfloat16), jnp.asarray(down, jnp.bfloat16))
+    kw = MOE_VARIANTS[variant]
+    if kw is None:
+        run = jax.jit(moe.moe_experts_gather)
+    else:
+        run = jax.jit(lambda *a: moe.moe_experts(*a, interpret=interpret, **kw))
+    t0 = time.perf_counter()
+    y = np.asarray(jax.block_until_ready(run(*args)))
+    first_call_s = time.perf_counter() - t0
+    deterministic = bool(np.array_equal(np.asarray(run(*args)), y))
+    tokens = np.sort(rng.choice(n, min(n, MOE_ORACLE_TOKENS), replace=False))
+    y64 = moe_oracle64(x, top_w, top_i, gate_up, down, tokens)
+    res = dict(kernel="moe", variant=variant, B=n, dtype="bfloat16", seed=seed, routing=kind,
+               shape=f"E={E} k={k} H={H} I={I}", experts_used=int(len(np.unique(top_i))),
+               oracle_tokens=len(tokens), o_rel_err=rel(y[tokens], y64),
+               max_abs_err=float(np.abs(y[tokens] - y64).max()), oracle_max_abs=float(np.abs(y64).max()),
+               finite=bool(np.isfinite(y).all()), deterministic=deterministic, first_call_s=round(first_call_s, 2))
+    ok = res["finite"] and deterministic and res["o_rel_err"] < MOE_TOL
+    try:  # lax.ragged_dot (XLA's dense masked lowering) on the GPU; at prefill its temporaries are large
+        y_j = np.asarray(jax.jit(routed_experts)(args[0], args[1].astype(jnp.bfloat16), *args[2:]).astype(jnp.float32))
+        res.update(o_rel_err_vs_jnp=rel(y, y_j), max_abs_err_vs_jnp=float(np.abs(y - y_j).max()))
+        ok = ok and res["o_rel_err_vs_jnp"] < MOE_JNP_TOL
+    except Exception as e:  # noqa: BLE001  (recorded; the float64 oracle still decides)
+        res["jnp_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    res["ok"] = bool(ok)
+    return res
+
+
+def moe_checks(interpret=False):
+    """Every MOE_CASES case for every applicable variant, one record each; a case that raises is
+    recorded as an error."""
+    cases = [(1, "random"), (8, "random"), (40, "skewed")] if interpret else MOE_CASES
+    seed = 400
+    for n, kind in cases:
+        for variant in MOE_VARIANTS:
+            if MOE_VARIANTS[variant] is None and n > MOE_GATHER_MAX_TOKENS:
+                continue
+            seed += 1
+            try:
+                r = check_moe(n, kind, variant, seed, interpret)
+            except Exception as e:  # keep going: one broken case must not hide the others
+                r = dict(kernel="moe", variant=variant, B=n, dtype="bfloat16", ok=False, routing=kind,
+                         error=f"{type(e).__name__}: {str(e)[:2000]}")
+            yield r
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--batches", default="1,64,256,512")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke run of this script (slow: use --batches 1)")
     ap.add_argument("--suites", default="decode,paged_attention,chunked,conv1d",
-                    help="decode (GDN/KDA), paged_attention, chunked (GDN/KDA prefill), conv1d (short conv)")
+                    help="decode (GDN/KDA), paged_attention, chunked (GDN/KDA prefill), conv1d (short conv), "
+                         "moe (routed experts; not in the default list until it has run on the GPU)")
     args = ap.parse_args()
     suites = args.suites.split(",")
     print(jax.devices())
@@ -505,7 +619,8 @@ def main():
         log.write(json.dumps(r) + "\n")
         log.flush()
     for r in itertools.chain(chunked_checks(args.interpret) if "chunked" in suites else (),
-                             conv1d_checks(args.interpret) if "conv1d" in suites else ()):
+                             conv1d_checks(args.interpret) if "conv1d" in suites else (),
+                             moe_checks(args.interpret) if "moe" in suites else ()):
         results.append(r)
         print(json.dumps(r), flush=True)
         log.write(json.dumps(r) + "\n")
@@ -520,7 +635,9 @@ def main():
             print(f"{head} ERROR {r['error'][:200]}")
         else:
             vs = f"{r['o_rel_err_vs_jnp']:9.2e}" if "o_rel_err_vs_jnp" in r else f"{'-':>9}"
-            print(f"{head} {r['o_rel_err']:9.2e} {r['state_rel_err']:9.2e} {vs} {'yes' if r['ok'] else 'NO'}")
+            st = f"{r['state_rel_err']:9.2e}" if "state_rel_err" in r else f"{'-':>9}"  # moe: no state
+            extra = f" max|err| {r['max_abs_err']:.2e} of {r['oracle_max_abs']:.2e}" if "max_abs_err" in r else ""
+            print(f"{head} {r['o_rel_err']:9.2e} {st} {vs} {'yes' if r['ok'] else 'NO'}{extra}")
     failed = [r for r in results if not r["ok"]]
     print(f"gpu_check: {len(results) - len(failed)}/{len(results)} passed")
     sys.exit(1 if failed else 0)

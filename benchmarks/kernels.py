@@ -5,7 +5,8 @@ vs the roofline, one JSON record per case.
     python benchmarks/kernels.py --table benchmarks/results/kernels-h200.json   # RESULTS.md table
 
 Kernel families register a ``Suite`` in ``SUITES`` (cases, a JAX runner, a peer runner): GDN/KDA
-decode, paged attention, chunked prefill and the causal conv1d.
+decode, paged attention, chunked prefill, the causal conv1d and the MoE routed experts (``moe``:
+ours vs ``lax.ragged_dot`` vs the gather path; no peer).
 
 Method (the device tool's METHOD.md): inputs are random (never zeros), states live in a pool of
 at least 256 slots (>= 512 MiB, many times the 60 MB L2) and every step of a timed chain moves to
@@ -76,6 +77,8 @@ def case_key(case):
         return chunked_case_key(m)
     if m.get("suite") == "conv1d":
         return conv1d_case_key(m)
+    if m.get("suite") == "moe":
+        return moe_case_key(m)
     return (f"{m['kind']}_decode", f"B={m['B']} Hk={m['Hk']} Hv={m['Hv']} dk={m['dk']} dv={m['dv']} ({m['model']})")
 
 
@@ -1080,6 +1083,134 @@ def run_conv1d_fla(case):
     return res
 
 
+# ------------------------------------------------------------------------------------------------
+# MoE routed experts (pallas_kernels/moe.py): grouped GEMM kernel vs lax.ragged_dot vs the gather path
+# ------------------------------------------------------------------------------------------------
+
+# The target layer: hidden 2048, 64 experts top-8, expert intermediate 512, bf16: gate_up [64, 2048,
+# 1024] and down [64, 512, 2048], 384 MiB a layer. A case is n tokens routed uniformly at random
+# (k distinct experts each, weights summing to 1), fresh routing at every step of a chain, the steps
+# alternating between MOE_LAYERS copies of the weights so no step finds its experts in L2 (a batch-1
+# step's 8 experts are 48 MiB, about the L2). Timed: ours (the kernel through ``moe_experts``, its
+# 4- and 2-stage rings, forced at every n; the gather path ``moe_experts_gather`` at n <= 32),
+# jnp = ``layers.routed_experts`` (``lax.ragged_dot``). Roofline: the bytes a step must move (the
+# weights of the distinct experts it uses, x read, the fp32 output written) over the copy bandwidth,
+# or, where the step's FLOPs over its bytes exceed MOE_BALANCE, its FLOP floor (2 n k 3 H I) over the
+# measured bf16 matmul rate; each record's detail keeps both counts ("cost").
+MOE_BENCH_MODEL = dict(model="target MoE", E=64, k=8, H=2048, I=512)
+MOE_TOKENS = (1, 32, 512, 4096)
+MOE_LAYERS = 2
+MOE_GATHER_MAX_TOKENS = 32  # the gather path materialises n * k experts' weights (1.5 GiB at n = 32)
+MOE_BALANCE = 230  # FLOP per byte where the H200's bf16 rate (~990 TFLOP/s) meets its copy bandwidth (~4.3 TB/s)
+MOE_VARIANTS_TIMED = {"moe_s4": dict(gather_below=0), "moe_s2": dict(gather_below=0, stages=2), "moe_gather": None}
+if os.environ.get("KERNELS_SMOKE"):
+    MOE_BENCH_MODEL = dict(MOE_BENCH_MODEL, E=8, k=2, H=64, I=64)
+    MOE_TOKENS, MOE_GATHER_MAX_TOKENS = (1, 40), 1
+CHECKED_AS.update({n: n for n in MOE_VARIANTS_TIMED})  # gpu_check rows with variants moe_s4, moe_s2, moe_gather
+
+
+def moe_cases(quick=False):
+    tokens = MOE_TOKENS[::3] if quick else MOE_TOKENS
+    return [dict(suite="moe", kind="moe", tokens=n, **MOE_BENCH_MODEL) for n in tokens]
+
+
+def moe_case_key(m):
+    return "moe_experts", f"n={m['tokens']} E={m['E']} top{m['k']} H={m['H']} I={m['I']} ({m['model']})"
+
+
+def moe_steps(case):
+    if os.environ.get("KERNELS_SMOKE"):
+        return 2
+    return {1: 16, 32: 8, 512: 4}.get(case["tokens"], 2)
+
+
+def moe_routings(case):
+    """Per step of a chain: (top_w [n, k] fp32, top_i [n, k] int32), fixed per case."""
+    import numpy as np
+
+    rng = np.random.default_rng(case["tokens"])
+    n, E, k = case["tokens"], case["E"], case["k"]
+    out = []
+    for _ in range(moe_steps(case)):
+        top_i = np.argsort(rng.random((n, E)), axis=1)[:, :k].astype(np.int32)
+        w = np.exp(rng.normal(size=(n, k)))
+        out.append(((w / w.sum(1, keepdims=True)).astype(np.float32), top_i))
+    return out
+
+
+def moe_cost(case):
+    """(bytes, FLOPs) a step must move / do, averaged over the chain's steps: each distinct expert's
+    gate_up and down once (bf16), x read (bf16) and the fp32 output written; 2 n k (2HI + IH) FLOPs."""
+    import numpy as np
+
+    n, H, I = case["tokens"], case["H"], case["I"]
+    used = np.mean([len(np.unique(top_i)) for _, top_i in moe_routings(case)])
+    nbytes = int(used * 3 * H * I * 2 + n * H * 2 + n * H * 4)
+    return nbytes, 2 * n * case["k"] * 3 * H * I
+
+
+def moe_bytes(case):
+    return moe_cost(case)[0]
+
+
+def moe_flops(case):
+    """The FLOP floor where it is the larger one (FLOP / byte above MOE_BALANCE: prefill), else None."""
+    nbytes, flops = moe_cost(case)
+    return flops if flops > MOE_BALANCE * nbytes else None
+
+
+def run_moe_jax(case, allowed=None):
+    """Ours (each variant the GPU check passed) and ``lax.ragged_dot`` under XLA: a jitted chain of
+    ``moe_steps`` layer calls, fresh routing each step, weights alternating between MOE_LAYERS copies."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.models.layers import routed_experts
+    from pallas_kernels import moe
+
+    n, E, k, H, I = (case[x] for x in ("tokens", "E", "k", "H", "I"))
+    steps = moe_steps(case)
+    interpret = bool(os.environ.get("KERNELS_SMOKE"))
+    keys = jax.random.split(jax.random.key(7), 2 * MOE_LAYERS + 1)
+    gate_up = [(jax.random.normal(keys[2 * i], (E, H, 2 * I), jnp.float32) * H ** -0.5).astype(jnp.bfloat16)
+               for i in range(MOE_LAYERS)]
+    down = [(jax.random.normal(keys[2 * i + 1], (E, I, H), jnp.float32) * I ** -0.5).astype(jnp.bfloat16)
+            for i in range(MOE_LAYERS)]
+    routes = [(jnp.asarray(w), jnp.asarray(i)) for w, i in moe_routings(case)]
+    nbytes, flops = moe_cost(case)
+    out = {"cost": dict(bytes=nbytes, flops=flops, steps=steps)}
+    fns = {}
+    for name, kw in MOE_VARIANTS_TIMED.items():
+        if kw is None and n > MOE_GATHER_MAX_TOKENS:
+            continue
+        if allowed is not None and name not in allowed:
+            out[f"ours_{name}"] = dict(error="not run: failed or missing in gpu_check")
+            continue
+        fns[f"ours_{name}"] = (moe.moe_experts_gather if kw is None else
+                               (lambda kw: lambda *a: moe.moe_experts(*a, interpret=interpret, **kw))(kw))
+    fns["jnp"] = lambda x, w, i, g, d: routed_experts(x, w.astype(x.dtype), i, g, d)
+
+    def make_chain(call):
+        call = jax.jit(call)
+
+        def chain(x, routes, gate_up, down):
+            outs = []
+            for s in range(steps):
+                outs.append(call(x, *routes[s], gate_up[s % MOE_LAYERS], down[s % MOE_LAYERS]))
+            return x, outs
+        return jax.jit(chain, donate_argnums=(0,))
+
+    for name, call in fns.items():
+        x = jax.random.normal(keys[-1], (n, H), jnp.float32).astype(jnp.bfloat16)
+        try:
+            _, res = time_jax_chain(make_chain(call), x, (routes, gate_up, down), steps)
+        except Exception as e:  # noqa: BLE001  (e.g. ragged_dot's dense temporaries at prefill)
+            res = dict(error=f"{type(e).__name__}: {str(e)[:600]}")
+        out[name] = res
+        print(f"  {name:16} {json.dumps(res)}", flush=True)
+    return out
+
+
 @dataclasses.dataclass
 class Suite:
     cases: Callable[[bool], list]
@@ -1096,7 +1227,8 @@ SUITES = {"decode": Suite(decode_cases, run_decode_jax, decode_state_bytes),
           "paged_attention": Suite(paged_cases, run_paged_jax, paged_bytes, has_peer=False, in_process_peer=True,
                                    flops=paged_flops),
           "chunked": Suite(chunked_cases, run_chunked_jax, chunked_bytes),
-          "conv1d": Suite(conv1d_cases, run_conv1d_jax, conv1d_bytes)}
+          "conv1d": Suite(conv1d_cases, run_conv1d_jax, conv1d_bytes),
+          "moe": Suite(moe_cases, run_moe_jax, moe_bytes, has_peer=False, flops=moe_flops)}
 
 
 def make_record(case, jax_res, peer_res, bandwidth_tbps, suite, matmul_tflops=None):

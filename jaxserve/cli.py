@@ -13,9 +13,11 @@ JSON object per prompt: output_ids, text, logprobs (the chosen token's logprob a
 finish_reason, prompt_tokens, cached_tokens (prompt tokens served from the prefix cache).
 
 ``serve`` starts the OpenAI-compatible HTTP server (server/): it prints its config, loads the
-checkpoint, compiles the first step with a warm-up request, and only then opens the port, so a
-200 from ``/health`` means requests are served without a compile stall on the first one. Every user error (bad folder, bad flag value, prompt too long)
-goes to stderr as one line and exits with code 2.
+checkpoint, sizes memory from the largest compiled step, compiles every step program the server can
+run (a progress bar; JAX's persistent cache makes a second start load them), sends one warm-up
+request, and only then opens the port, so a 200 from ``/health`` means no request waits for a
+compile (``/metrics``: ``jaxserve_compiles_after_ready_total`` stays 0). Every user error (bad
+folder, bad flag value, prompt too long) goes to stderr as one line and exits with code 2.
 """
 
 from __future__ import annotations
@@ -93,10 +95,17 @@ def _generate(args: argparse.Namespace) -> list[dict]:
 def _engine_args(args: argparse.Namespace, progress: bool):
     from jaxserve.engine.llm import EngineArgs
 
+    if not 0 < args.mem_fraction <= 1:
+        raise UsageError(f"--mem-fraction must be in (0, 1], got {args.mem_fraction}")
+    if args.compile_workers < 1:
+        raise UsageError(f"--compile-workers must be >= 1, got {args.compile_workers}")
     return EngineArgs(
         model=args.model or str(DEFAULT_MODEL_DIR), dtype=args.dtype, page_size=args.page_size,
         max_prefill_length=args.max_prefill_length, max_running_requests=args.max_running_requests,
         num_pages=args.num_pages, num_slots=args.num_slots, policy=args.policy, kernels=args.kernels,
+        overlap_schedule=not args.disable_overlap_schedule, mem_fraction=args.mem_fraction,
+        compile_all=args.command == "serve", compile_workers=args.compile_workers,
+        compile_cache=False if args.no_compile_cache else (args.compile_cache or True),
         progress=progress, **({"max_model_len": args.max_model_len, "debug_snapshot_checksums": args.debug_snapshot_checksums,
             "debug_fault": args.debug_inject_fault} if args.command == "serve" else {}))
 
@@ -104,6 +113,7 @@ def _engine_args(args: argparse.Namespace, progress: bool):
 def _serve(args: argparse.Namespace) -> int:
     import time
 
+    from jaxserve.engine import startup
     from jaxserve.engine.llm import build_engine
     from jaxserve.generate import SamplingParams
 
@@ -112,6 +122,7 @@ def _serve(args: argparse.Namespace) -> int:
 
         from server.app import create_app
         from server.async_engine import AsyncEngine
+        from server.metrics import Metrics
     except ImportError as e:
         raise UsageError(f"the server needs the 'server' extra (pip install -e '.[server]'): {e}") from None
     if not 0 < args.port < 65536:
@@ -124,20 +135,30 @@ def _serve(args: argparse.Namespace) -> int:
         ("api_key", "set" if args.api_key else "none"), ("dtype", eargs.dtype), ("page_size", eargs.page_size),
         ("max_prefill_length", eargs.max_prefill_length), ("max_running_requests", eargs.max_running_requests),
         ("max_model_len", eargs.max_model_len), ("num_pages", eargs.num_pages), ("num_slots", eargs.num_slots),
-        ("policy", eargs.policy), ("kernels", eargs.kernels), ("debug_snapshot_checksums", eargs.debug_snapshot_checksums)]))
+        ("policy", eargs.policy), ("kernels", eargs.kernels), ("debug_snapshot_checksums", eargs.debug_snapshot_checksums),
+        ("mem_fraction", eargs.mem_fraction), ("compile_cache", eargs.compile_cache),
+        ("compile_workers", eargs.compile_workers)]))
     if eargs.debug_fault:
         log(f"WARNING: --debug-inject-fault {eargs.debug_fault}: cache hits are corrupted on purpose (tests only)")
     t0 = time.perf_counter()
-    log(f"loading {eargs.model} ...")
-    engine = build_engine(eargs)
-    log(f"loaded in {time.perf_counter() - t0:.1f}s; compiling the first prefill and decode steps (warm-up request) ...")
-    t1 = time.perf_counter()
+    log(f"loading {eargs.model}, then compiling every step program ...")
+    engine = build_engine(eargs)  # compile_all: every program the server can run exists after this
+    log(f"loaded and compiled in {time.perf_counter() - t0:.1f}s; one warm-up request through the engine ...")
+    t1, steps = time.perf_counter(), startup.step_compiles()
     warm = engine.tokenizer.encode("Hello") or [0]
     engine.generate([warm], SamplingParams(max_tokens=2, ignore_eos=True))
     engine.scheduler.cache.flush()  # the warm-up leaves nothing behind
     engine.check_invariants()
-    log(f"compiled in {time.perf_counter() - t1:.1f}s; starting the HTTP server on http://{args.host}:{args.port}")
-    async_engine = AsyncEngine(engine).start()
+    if startup.step_compiles() > steps:
+        log(f"WARNING: the warm-up request compiled {startup.step_compiles() - steps} step programs that "
+            f"Buckets.programs() does not list: requests will wait for compiles")
+    log(f"warm-up request in {time.perf_counter() - t1:.1f}s; ready in {time.perf_counter() - t0:.1f}s; starting "
+        f"the HTTP server on http://{args.host}:{args.port}")
+    ready = startup.backend_compiles()
+    metrics = Metrics()
+    metrics.step_compiles.observe(startup.step_compiles)
+    metrics.compiles_after_ready.observe(lambda: startup.backend_compiles() - ready)
+    async_engine = AsyncEngine(engine, metrics).start()
     app = create_app(async_engine, served_model_name=name, api_key=args.api_key)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30)
@@ -155,9 +176,21 @@ def _add_engine_flags(p: argparse.ArgumentParser, dtype_default: str) -> None:
     p.add_argument("--num-pages", type=int, help="KV pages (default: from the memory budget)")
     p.add_argument("--num-slots", type=int, help="linear-state slots (default: from the memory budget)")
     p.add_argument("--policy", choices=("fcfs", "lpm"), default="fcfs")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="plan each step only after the previous one finished (default: step N+1 is planned and "
+                        "dispatched while step N runs, hiding the host's time)")
     p.add_argument("--kernels", default="auto",
                    help="mixer backends: auto (on a GPU, the kernels verified there), jnp, pallas (the Pallas "
                         "Mosaic GPU kernels), or a list of them: gdn_prefill,gdn_decode,paged_attention")
+    p.add_argument("--mem-fraction", type=float, default=0.85,
+                   help="share of the device's memory for params, pools and the largest step's temporaries "
+                        "(measured at start-up); ignored on a CPU")
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="JAX's persistent compilation cache (default: $JAXSERVE_COMPILE_CACHE, else "
+                        "~/.cache/jaxserve/xla): a second start loads its programs instead of compiling them")
+    p.add_argument("--no-compile-cache", action="store_true", help="no persistent compilation cache")
+    p.add_argument("--compile-workers", type=int, default=1, metavar="N",
+                   help="serve: step programs compiled at once at start-up (default: 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -211,6 +244,58 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--api-key", default=None)
     pr.add_argument("--model", default=None, help="model name to send (default: the server's first listed model)")
     pr.add_argument("--json", action="store_true", help="print the report as one JSON object (no progress)")
+    b = sub.add_parser("bench", help="serving benchmark (TTFT, TPOT, ITL, latency, throughput, prefix-cache hits) "
+                                     "against any OpenAI-compatible server, like `vllm bench serve`")
+    b.add_argument("--url", default="http://127.0.0.1:8000",
+                   help="the server's root; an OpenAI base URL ending in /v1 works too (default: %(default)s)")
+    b.add_argument("--api-key", metavar="KEY", default=None, help="sent as 'Authorization: Bearer KEY'")
+    b.add_argument("--model", metavar="NAME", default=None,
+                   help="model name to send (default: the server's first listed model)")
+    b.add_argument("--timeout", metavar="S", type=float, default=600.0,
+                   help="seconds an HTTP connect or read may wait (default: 600)")
+    b.add_argument("--workload", default="random", choices=("random", "shared-prefix", "multi-turn"),
+                   help="random: prompts of random tokens; shared-prefix: --num-groups groups sharing a --prefix-len "
+                        "prefix, each prompt with its own --input-len tail; multi-turn: sessions of --turns requests, "
+                        "each adding --input-len tokens to the conversation so far (default: random)")
+    b.add_argument("--api", choices=("completions", "chat"), default=None,
+                   help="endpoint: /v1/completions or /v1/chat/completions (default: chat for multi-turn, "
+                        "completions otherwise)")
+    b.add_argument("--prompt-format", choices=("ids", "text"), default=None,
+                   help="ids: random token ids as the prompt list (servers that accept them, e.g. jaxserve, vLLM); "
+                        "text: random words sized with the server's tokens per word (measured first with two "
+                        "requests). Default: ids on completions, text for chat and multi-turn")
+    b.add_argument("--num-prompts", metavar="N", type=int, default=200, help="requests per run (default: 200)")
+    b.add_argument("--input-len", metavar="N", type=int, default=1024,
+                   help="prompt tokens (shared-prefix: the tail after the prefix; multi-turn: the new user part of "
+                        "each turn) (default: 1024)")
+    b.add_argument("--output-len", metavar="N", type=int, default=128, help="max_tokens of each request (default: 128)")
+    b.add_argument("--range-ratio", metavar="R", type=float, default=0.0,
+                   help="input and output lengths vary uniformly within +-R times --input-len / --output-len, "
+                        "in [0, 1) (default: 0, fixed lengths)")
+    b.add_argument("--prefix-len", metavar="N", type=int, default=1024,
+                   help="shared-prefix: tokens of each group's prefix (default: 1024)")
+    b.add_argument("--num-groups", metavar="G", type=int, default=8,
+                   help="shared-prefix: number of distinct prefixes (default: 8)")
+    b.add_argument("--turns", metavar="T", type=int, default=4, help="multi-turn: requests per session (default: 4)")
+    b.add_argument("--token-ids", type=int, nargs=2, default=(10, 1000), metavar=("LOW", "HIGH"),
+                   help="ids prompts draw token ids from [LOW, HIGH): keep them inside the server's vocabulary and "
+                        "clear of its special tokens (default: 10 1000)")
+    b.add_argument("--seed", metavar="S", type=int, default=0, help="workload and arrival seed (default: 0)")
+    b.add_argument("--request-rate", metavar="R", type=float, default=float("inf"),
+                   help="Poisson arrivals per second (sessions, for multi-turn); inf sends all at once (default: inf)")
+    b.add_argument("--max-concurrency", metavar="C", type=int, default=None,
+                   help="at most C requests in flight (default: no limit)")
+    b.add_argument("--concurrency-sweep", default=None, metavar="C1,C2,...",
+                   help="run the workload once per max concurrency (e.g. 1,4,16,32; a fresh seed each, so no run "
+                        "hits the cache of the one before) and report throughput vs concurrency")
+    b.add_argument("--no-ignore-eos", action="store_true",
+                   help="do not send vLLM's ignore_eos: requests may stop before --output-len")
+    b.add_argument("--json", default=None, metavar="PATH",
+                   help="write the full result (config, summary per run, one row per request) to PATH; "
+                        "'-' prints it on stdout instead of the table")
+    b.add_argument("--plot", default=None, metavar="PATH.png",
+                   help="write latency CDFs (TTFT, TPOT, E2E) and, when sweeping, throughput vs concurrency")
+    b.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
     return ap
 
 
@@ -223,6 +308,10 @@ def main(argv: list[str] | None = None) -> int:
             from jaxserve import probe
 
             return probe.main(args)
+        if args.command == "bench":
+            from jaxserve import bench
+
+            return bench.main(args)
         if args.command == "generate":
             for out in _generate(args):
                 print(json.dumps(out) if args.json else out["text"])

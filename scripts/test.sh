@@ -16,7 +16,8 @@ if [ $# -gt 0 ]; then
   exec "$py" -m pytest "$@"
 fi
 interpreted=(tests/pallas_kernels/test_gdn_chunked.py tests/pallas_kernels/test_gdn_decode.py
-             tests/pallas_kernels/test_paged_attention.py tests/pallas_kernels/test_conv1d.py)
+             tests/pallas_kernels/test_paged_attention.py tests/pallas_kernels/test_conv1d.py
+             tests/pallas_kernels/test_moe.py)
 rc=0
 skip=("${interpreted[@]/#/--ignore=}")
 for group in "tests/cache tests/engine" "tests/models tests/pallas_kernels" \

@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve.engine.engine import RequestOutput
 from jaxserve.generate import SamplingParams
-from server.async_engine import AsyncEngine, EngineDeadError
+from server.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, ModelCard, _Request, new_id, now,
                              usage)
 
@@ -152,6 +152,10 @@ def create_app(async_engine: AsyncEngine, served_model_name: str, api_key: str |
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(_req, exc: EngineDeadError):
         return JSONResponse(APIError(503, str(exc), type="server_error", code="engine_dead").body(), status_code=503)
+
+    @app.exception_handler(RequestFailedError)
+    async def _request_failed(_req, exc: RequestFailedError):
+        return JSONResponse(APIError(500, str(exc), type="server_error", code="step_failed").body(), status_code=500)
 
     @app.exception_handler(Exception)
     async def _internal(_req, exc: Exception):
@@ -485,6 +489,9 @@ def _stream_response(gen: AsyncIterator[str], on_close: Callable[[], None]) -> S
             return
         except EngineDeadError as e:
             err = APIError(503, str(e), type="server_error", code="engine_dead")
+            yield f"data: {json.dumps(err.body())}\n\n"
+        except RequestFailedError as e:
+            err = APIError(500, str(e), type="server_error", code="step_failed")
             yield f"data: {json.dumps(err.body())}\n\n"
         finally:
             on_close()

@@ -32,6 +32,11 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class RequestFailedError(RuntimeError):
+    """The request's step failed on the device (``finish_reason == "error"``): this request fails,
+    the engine goes on serving (``Engine`` docstring)."""
+
+
 class _Stream:
     """Per-request state the engine thread keeps: where to deliver, and timing for metrics."""
 
@@ -187,6 +192,9 @@ class AsyncEngine:
                 del self._streams[out.request_id]
                 m.e2e.observe(now - stream.arrival)
                 m.requests_finished.inc(1, reason=out.finish_reason)
+            if out.finish_reason == "error":
+                out = RequestFailedError("the engine failed to run this request's step on the device (see the "
+                                         "server log); other requests are unaffected, retrying may succeed")
             by_loop.setdefault(stream.loop, []).append((stream.queue, out))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)

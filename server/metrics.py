@@ -87,6 +87,25 @@ class Gauge(_Metric):
         return self.header() + [f"{self.name} {_fmt(self._value)}"]
 
 
+class Observed(_Metric):
+    """A value read when scraped, from a function set by whoever owns it (``observe``): for numbers
+    kept elsewhere, like the process's compile counts. 0 until a function is set."""
+
+    def __init__(self, name: str, help: str, kind: str = "gauge"):
+        super().__init__(name, help)
+        self.kind = kind
+        self._fn = lambda: 0.0
+
+    def observe(self, fn) -> None:
+        self._fn = fn
+
+    def value(self) -> float:
+        return float(self._fn())
+
+    def render(self) -> list[str]:
+        return self.header() + [f"{self.name} {_fmt(self.value())}"]
+
+
 class Histogram(_Metric):
     kind = "histogram"
 
@@ -138,6 +157,12 @@ class Metrics:
         self.preemptions = Gauge("num_preemptions", "Requests preempted since start (monotonic).")
         self.checksum_mismatches = Gauge("snapshot_checksum_mismatches",
                                          "Snapshot checksum mismatches (--debug-snapshot-checksums); must stay 0.")
+        self.step_compiles = Observed("step_compiles_total", "XLA compiles (or compile-cache loads) of the serving "
+                                      "step in this process; a server makes all of them before it is ready.",
+                                      kind="counter")
+        self.compiles_after_ready = Observed("compiles_after_ready_total", "XLA compiles (or compile-cache loads) of any "
+                                             "program after the server became ready; stays 0 when no request waits for "
+                                             "a compile.", kind="counter")
         self.ttft = Histogram("time_to_first_token_seconds", "Time from request arrival to its first token.", _LATENCY)
         self.itl = Histogram("inter_token_latency_seconds", "Time between consecutive tokens of a request.", _LATENCY)
         self.e2e = Histogram("e2e_request_latency_seconds", "Time from request arrival to its end.", _LATENCY)

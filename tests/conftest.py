@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -15,6 +16,9 @@ from tests.reference.bridge import run_torch
 # in-process (a CI run crashed inside the cache's compile-and-write path on an interpret-mode
 # kernel; the cache buys nothing for one-off test programs).
 jax.config.update("jax_enable_compilation_cache", False)
+# ... and none in the subprocesses they start (`jaxserve serve` / `generate` turn it on by default,
+# into ~/.cache/jaxserve/xla): a test that wants one passes its own directory.
+os.environ["JAXSERVE_COMPILE_CACHE"] = "off"
 
 # Every family variant weights/tiny.py writes; each is checked against transformers.
 CHECKPOINTS = [

@@ -37,7 +37,9 @@ def _value(name: str, shape: tuple[int, ...], cfg: ModelConfig, rng: np.random.G
         return np.ones(shape, np.float32) if gated_gdn_norm or not cfg.zero_centered_norm else np.zeros(shape, np.float32)
     if name.endswith(".bias"):
         return np.zeros(shape, np.float32)
-    return rng.normal(0.0, init_std, shape).astype(np.float32)
+    out = rng.standard_normal(shape, dtype=np.float32)  # float32 draws: ~5x faster than normal()'s float64
+    out *= np.float32(init_std)
+    return out
 
 
 def write_random_checkpoint(config: dict, out: str | Path, *, dtype: str = "bfloat16", seed: int = 0,

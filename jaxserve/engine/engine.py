@@ -1,9 +1,21 @@
 """The engine: requests in, tokens out, one step at a time; and the offline ``LLM`` API on top.
 
-``Engine.step()`` runs one iteration: the scheduler plans a step, the executor runs it on the
-device, the scheduler commits it, and the engine turns new tokens into text (incremental
+``Engine.step()`` runs one iteration: the scheduler plans a step, the executor dispatches it to
+the device, the scheduler commits it, and the engine turns new tokens into text (incremental
 detokenization, stop strings). The executor is the only part that touches the device; the
 ``Executor`` protocol lets tests and the scheduling-research harness swap in a fake one.
+
+Overlapped scheduling (``overlap=True``, the serving default): step N+1 is planned and dispatched
+before step N's tokens are read back, so the host's work (scheduling, batch packing, dispatch,
+detokenization) runs while the device computes. A token sampled by step N and fed by step N+1 never
+visits the host on the way: step N+1 reads it from step N's device output (``Row.feed``). The host
+learns each token one step later, for stop checks and streaming; a request that stops has at most
+one extra row computed and dropped (scheduler.py says why early frees are safe).
+
+A step that fails on the device (an out-of-memory, a kernel error) fails the requests it carried
+(``finish_reason == "error"``) and nothing else: if the failure consumed the pools, they are
+re-created, the prefix cache is flushed and every other running request is recomputed from its
+prompt and output so far.
 
 Debug mode (``debug_snapshot_checksums``): every snapshot slot is checksummed when the tree takes
 it and again before a hit restores from it; ``snapshot_checksum_mismatches`` counts differences.
@@ -15,7 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Protocol, Sequence
+import sys
+import traceback
+from typing import Any, Protocol, Sequence
 
 from jaxserve.engine.request import Request, Status
 from jaxserve.engine.scheduler import Scheduler, StepPlan
@@ -24,8 +38,15 @@ from jaxserve.tokenizer import IncrementalDecoder, Tokenizer
 
 
 class Executor(Protocol):
-    def execute(self, plan: StepPlan) -> tuple[list[int], list[float]]:
-        """Run one step; returns the sampled token and its logprob per row of the plan."""
+    def dispatch(self, plan: StepPlan) -> Any:
+        """Start one step without waiting for it; returns a handle for ``fetch``. A row with
+        ``feed >= 0`` takes its last token from the previous dispatched step's row ``feed``."""
+
+    def fetch(self, handle: Any) -> tuple[list[int], list[float]]:
+        """Wait for a dispatched step; returns the sampled token and its logprob per row of its plan."""
+
+    def recover(self) -> bool:
+        """After a failed step: True if the pools were lost (and re-created empty), else False."""
 
     def barrier(self) -> None:
         """Block until every dispatched step has finished on the device."""
@@ -53,8 +74,11 @@ class RequestOutput:
 
 class Engine:
     def __init__(self, scheduler: Scheduler, executor: Executor, vocab_size: int, tokenizer: Tokenizer | None = None,
-                 debug_snapshot_checksums: bool = False):
+                 debug_snapshot_checksums: bool = False, overlap: bool = False):
         self.scheduler = scheduler
+        self.overlap = overlap
+        self._in_flight: list[tuple[StepPlan, Any]] = []  # dispatched, not yet committed (oldest first)
+        self.failed_steps = 0
         self.vocab_size = vocab_size
         self.executor = executor
         self.tokenizer = tokenizer
@@ -101,22 +125,46 @@ class Engine:
         return req is not None
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._in_flight)
 
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> list[RequestOutput]:
-        """Run one step. Returns an output for every request that got a token or finished."""
+        """Plan and dispatch one step, then commit the oldest step in flight (with ``overlap``, the
+        previous one; without, this one). Returns an output for every request that got a token,
+        finished or failed in the committed step."""
         plan = self.scheduler.schedule()
-        if plan is None:
+        if plan is None and not self._in_flight:
             if self.scheduler.waiting and not self.scheduler.running:
                 # add() admits only requests that fit an idle engine; failing here is a bug, not load.
                 raise RuntimeError(f"scheduler could not admit {self.scheduler.waiting[0].rid} into an idle engine")
             return []
-        tokens, logprobs = self.executor.execute(plan)
+        outputs: list[RequestOutput] = []
+        dispatched = False
+        if plan is not None:
+            try:
+                self._in_flight.append((plan, self.executor.dispatch(plan)))
+                dispatched = True
+            except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the engine
+                outputs += self._step_failed(plan, e)
+        keep = 1 if self.overlap and dispatched else 0
+        while len(self._in_flight) > keep:
+            done, handle = self._in_flight.pop(0)
+            try:
+                tokens, logprobs = self.executor.fetch(handle)
+            except Exception as e:  # noqa: BLE001
+                outputs += self._step_failed(done, e)
+                continue
+            outputs += self._commit(done, tokens, logprobs)
+        return outputs
+
+    def _commit(self, plan: StepPlan, tokens: list[int], logprobs: list[float]) -> list[RequestOutput]:
+        epochs = [row.req.epoch for row in plan.rows]
         self.scheduler.commit(plan, tokens, logprobs)
         outputs = []
-        for row in plan.rows:
+        for row, epoch in zip(plan.rows, epochs):
+            if row.epoch != epoch:  # released after planning: the row was dropped
+                continue
             if not row.samples:
                 continue
             req = row.req
@@ -124,6 +172,27 @@ class Engine:
             outputs.append(self._output(req, new_text, req.output_ids[-1:]))
             if req.status is Status.FINISHED:
                 self._forget(req.rid)
+        return outputs
+
+    def _step_failed(self, plan: StepPlan, error: BaseException) -> list[RequestOutput]:
+        """Fail the live requests of ``plan``; if the device lost the pools, start them afresh."""
+        self.failed_steps += 1
+        print(f"jaxserve: a step of {len(plan.rows)} rows ({plan.num_tokens} tokens) failed; failing its "
+              f"requests: {error!r}", file=sys.stderr)
+        traceback.print_exception(error, file=sys.stderr)
+        outputs = []
+        for row in plan.rows:
+            req = row.req
+            if row.epoch == req.epoch and req.status is Status.RUNNING:
+                self.scheduler.finish(req, "error")
+                outputs.append(self._output(req))
+                self._forget(req.rid)
+        self.scheduler.abandon(plan)
+        if self.executor.recover():
+            for lost, _ in self._in_flight:
+                self.scheduler.abandon(lost)
+            self._in_flight.clear()
+            self.scheduler.lose_device_state()
         return outputs
 
     def _detokenize(self, req: Request) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 from typing import Sequence
 
 import jax
@@ -21,8 +22,9 @@ from jaxserve.config import LINEAR_ATTENTION
 from jaxserve.cache.radix import HybridRadixCache
 from jaxserve.engine.engine import Engine, RequestOutput
 from jaxserve.engine.policy import make_policy
-from jaxserve.engine.pools import device_budget, init_pools, plan_pools
-from jaxserve.engine.runner import Buckets, DeviceExecutor
+from jaxserve.engine import startup
+from jaxserve.engine.pools import device_budget, init_pools
+from jaxserve.engine.runner import Buckets, DeviceExecutor, warmup
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.generate import SamplingParams
 from jaxserve.models import backends
@@ -48,15 +50,83 @@ class EngineArgs:
     max_snapshots_per_path: int | None = None  # bound the tree's snapshots on any root..leaf path
     policy: str = "fcfs"
     kernels: str = "auto"  # ModelConfig.kernels (jaxserve/models/backends.py)
+    overlap_schedule: bool = True  # plan and dispatch step N+1 while step N runs (Engine docstring)
     debug_snapshot_checksums: bool = False
     debug_fault: str | None = None  # TEST ONLY: "stale-snapshot" / "wrong-snapshot" corrupt every hit (Scheduler)
     progress: bool = True
+    # Compile every step program (Buckets.programs()) before returning, so no request waits for a
+    # compile (serve: on). Off, a program compiles when a step first needs it.
+    compile_all: bool = False
+    compile_workers: int = 1  # programs compiled at once by compile_all (XLA compiles outside the GIL)
+    # JAX's persistent compilation cache (startup.enable_compile_cache): True = $JAXSERVE_COMPILE_CACHE,
+    # else ~/.cache/jaxserve/xla; False = off; or a directory.
+    compile_cache: str | bool = True
+
+
+def _log(args: EngineArgs, msg: str) -> None:
+    if args.progress:
+        print(f"jaxserve: {msg}", file=sys.stderr, flush=True)
+
+
+def _budget(args: EngineArgs, param_bytes: int) -> tuple[int | None, str | None]:
+    """(budget in bytes for params + pools + a step's needs, why nothing is measured or None).
+
+    A device that reports its memory gets ``mem_fraction`` of it, measured against (also with
+    explicit pool sizes: they must fit beside the step). A CPU reports none: explicit sizes are
+    taken as they are, otherwise the pools get ``CPU_BUDGET_BYTES``; nothing is reserved there."""
+    try:
+        return device_budget(args.mem_fraction), None
+    except ValueError:
+        pass
+    if args.num_pages is not None and args.num_slots is not None:
+        return None, "explicit pool sizes on a device that reports no memory"
+    return CPU_BUDGET_BYTES + param_bytes, f"the device reports no memory; pools get {CPU_BUDGET_BYTES >> 20} MiB"
+
+
+def _compile_all(args: EngineArgs, compiler: startup.StepCompiler, params, plan, memory: startup.MemoryPlan, dtype):
+    """Compile every program of ``memory.buckets`` against the planned pools' shapes, allocate the
+    pools, run programs once on them (``warmup``) and log what it took. Returns the pools.
+
+    Which programs run: with a measured reserve (a device that reports its memory), all of them, so
+    the largest steps have run for real before the port opens (on a GPU that costs seconds). On a
+    CPU only the smallest of each kind: enough to prove the ahead-of-time executables are the ones
+    ``step`` runs (a step compile during the warm-up would mean they are not), where running the
+    8192-token step of even the 7 M-parameter default model takes many seconds."""
+    cfg, buckets = compiler.cfg, memory.buckets
+    programs = buckets.programs()
+    t0, hits0 = time.perf_counter(), startup.cache_hits()
+    mems = startup.compile_programs(compiler, startup.pool_structs(cfg, dtype, plan), programs,
+                                    workers=args.compile_workers, progress=args.progress)
+    loaded, t1 = startup.cache_hits() - hits0, time.perf_counter()
+    pools = init_pools(plan, cfg, dtype)
+    before = startup.step_compiles()
+    run = programs if memory.reserve_bytes else [next(p for p in programs if p[3] == kind) for kind in (False, True)]
+    pools = warmup(params, cfg, pools, buckets, programs=run)
+    again = startup.step_compiles() - before
+    largest = max((m for m in mems if m is not None), key=lambda m: m.need_bytes, default=None)
+    msg = (f"compiled {len(programs)} step programs in {t1 - t0:.1f}s ({loaded} loaded from the compile cache), "
+           f"ran {'each' if run == programs else f'{len(run)} of them'} once in {time.perf_counter() - t1:.1f}s")
+    if largest is not None:
+        msg += f"; the largest: {largest.describe()} beside params and pools"
+        if memory.reserve_bytes:
+            msg += f" (reserved {startup.fmt_bytes(memory.reserve_bytes)})"
+    _log(args, msg)
+    if largest is not None and memory.reserve_bytes and largest.need_bytes > memory.reserve_bytes:
+        _log(args, f"WARNING: {largest.describe()}, more than the {startup.fmt_bytes(memory.reserve_bytes)} reserved "
+                   f"from {memory.probe.describe()}: steps may run out of memory under load")
+    if again:
+        _log(args, f"WARNING: {again} step programs compiled again at warm-up (the ahead-of-time compile missed "
+                   f"their cache keys: runner.lower_step no longer matches runner.step)")
+    return pools
 
 
 def build_engine(args: EngineArgs) -> Engine:
+    """Load the checkpoint, plan memory (measuring the largest step where the device reports its
+    memory), allocate pools, compile every step program if ``compile_all``, and wire the engine."""
     from weights import load_model
 
     backends.validate(args.kernels)
+    cache_dir = startup.enable_compile_cache(args.compile_cache)
 
     model = load_model(args.model, dtype=args.dtype, progress=args.progress)
     cfg, params = dataclasses.replace(model.config, kernels=args.kernels), model.params
@@ -71,33 +141,39 @@ def build_engine(args: EngineArgs) -> Engine:
         use_attention_kernel(cfg, dtype, args.page_size)
     max_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
-    mem_bytes = None
-    if args.num_pages is None or args.num_slots is None:
-        try:
-            mem_bytes = device_budget(args.mem_fraction)
-        except ValueError:
-            mem_bytes = CPU_BUDGET_BYTES + param_bytes
-    plan = plan_pools(cfg, dtype, page_size=args.page_size, max_seqs=args.max_running_requests, mem_bytes=mem_bytes,
-                      param_bytes=param_bytes if mem_bytes else 0, num_pages=args.num_pages, num_slots=args.num_slots,
-                      snapshot_fraction=args.snapshot_fraction)
-    if args.progress:
-        print(f"jaxserve: {cfg.model_type} ({cfg.num_layers} layers), {args.dtype}, {plan.describe()}", file=sys.stderr)
-    pools = init_pools(plan, cfg, dtype)
     buckets = Buckets.for_limits(max_prefill_tokens=args.max_prefill_length, max_seqs=args.max_running_requests,
                                  max_model_len=max_len, page_size=args.page_size)
+    compiler = startup.StepCompiler(params, cfg, buckets)
+    budget, unmeasured = _budget(args, param_bytes)
+    if args.progress and not unmeasured:
+        _log(args, f"measuring the largest step ({buckets.tokens[-1]} tokens) for the memory plan ...")
+    memory = startup.plan_memory(
+        cfg, dtype, buckets, startup.PoolLimits(args.page_size, args.max_running_requests, args.num_pages,
+                                                args.num_slots, args.snapshot_fraction),
+        budget=budget, param_bytes=param_bytes, log=lambda msg: _log(args, msg),
+        measure=None if unmeasured else lambda program, plan: compiler.compile(
+            program, startup.pool_structs(cfg, dtype, plan)))
+    plan, buckets = memory.pools, memory.buckets
+    _log(args, f"{cfg.model_type} ({cfg.num_layers} layers), {args.dtype}, {plan.describe()}; {memory.note}"
+               f"{f' ({unmeasured})' if unmeasured else ''}; max prefill {buckets.tokens[-1]} tokens per step, "
+               f"{len(buckets.programs())} step programs; compile cache {cache_dir or 'off'}")
+    if args.compile_all:
+        pools = _compile_all(args, compiler, params, plan, memory, dtype)
+    else:
+        pools = init_pools(plan, cfg, dtype)
     pages = PageAllocator(plan.num_pages)
     slots = SlotAllocator(plan.num_slots) if cfg.is_hybrid else None
     cache = HybridRadixCache(pages, slots, args.page_size, hybrid=cfg.is_hybrid,
                              max_snapshots_per_path=args.max_snapshots_per_path)
     eos = tuple(sorted(set(cfg.eos_token_ids) | set(tokenizer.eos_token_ids)))
     scheduler = Scheduler(pages=pages, slots=slots, cache=cache, page_size=args.page_size,
-                          max_prefill_tokens=args.max_prefill_length, max_running=args.max_running_requests,
+                          max_prefill_tokens=buckets.tokens[-1], max_running=args.max_running_requests,
                           max_pages_per_seq=min(buckets.pages_per_seq, -(-max_len // args.page_size)),
                           eos_token_ids=eos, policy=make_policy(args.policy))
     scheduler.debug_fault = args.debug_fault
     executor = DeviceExecutor(params, cfg, pools, buckets)
     engine = Engine(scheduler, executor, vocab_size=cfg.vocab_size, tokenizer=tokenizer,
-                    debug_snapshot_checksums=args.debug_snapshot_checksums)
+                    debug_snapshot_checksums=args.debug_snapshot_checksums, overlap=args.overlap_schedule)
     return engine
 
 

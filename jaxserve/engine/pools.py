@@ -27,7 +27,8 @@ from jaxserve.config import ModelConfig
 from jaxserve.models.decoder import Pools, num_layers_of_kind, pool_shapes, zeros
 from jaxserve.models.layers import KEY_BLOCK
 
-__all__ = ["NULL_PAGE", "NULL_SLOT", "PoolPlan", "Pools", "init_pools", "plan_pools", "device_budget"]
+__all__ = ["NULL_PAGE", "NULL_SLOT", "PoolPlan", "Pools", "init_pools", "plan_pools", "device_budget",
+           "minimal_pool_bytes"]
 
 NULL_PAGE = 0
 NULL_SLOT = 0
@@ -80,18 +81,33 @@ class PoolPlan:
         return f"{kv}, linear state {self.num_slots - 1} slots ({self.state_bytes / MiB:.1f} MiB)"
 
 
+def _minimum(cfg: ModelConfig, max_seqs: int, page_size: int, min_kv_tokens: int) -> tuple[int, int]:
+    """(pages, slots) the engine cannot run with less of, null entries included: a slot per running
+    request (hybrid models), a page per running request plus ``min_kv_tokens`` tokens of KV."""
+    hybrid = num_layers_of_kind(cfg)[1] > 0
+    return 1 + max_seqs + -(-min_kv_tokens // page_size), (1 + max_seqs if hybrid else 0)
+
+
+def minimal_pool_bytes(cfg: ModelConfig, dtype, *, page_size: int, max_seqs: int, min_kv_tokens: int = 0) -> int:
+    """Bytes of the smallest pools ``plan_pools`` accepts for these limits (see ``_minimum``)."""
+    pages, slots = _minimum(cfg, max_seqs, page_size, min_kv_tokens)
+    return pages * page_bytes(cfg, dtype, page_size) + slots * slot_bytes(cfg, dtype)
+
+
 def plan_pools(cfg: ModelConfig, dtype, *, page_size: int, max_seqs: int, mem_bytes: int | None = None,
                param_bytes: int = 0, reserve_bytes: int = 0, num_pages: int | None = None,
-               num_slots: int | None = None, snapshot_fraction: float = 0.25) -> PoolPlan:
+               num_slots: int | None = None, snapshot_fraction: float = 0.25, min_kv_tokens: int = 0) -> PoolPlan:
     """Size the pools from explicit counts or from a memory budget.
 
     Budget split (when neither ``num_pages`` nor ``num_slots`` is given; when one is, the other takes
-    the rest of the budget): ``avail = mem_bytes -
-    param_bytes - reserve_bytes`` (``reserve_bytes``: activations / workspace of the largest step).
+    the rest of the budget): ``avail = mem_bytes - param_bytes - reserve_bytes``. ``reserve_bytes``
+    is what a step needs beside params and pools: the XLA temporaries (activations, workspace) of
+    the largest compiled step plus a margin, measured at start-up (jaxserve/engine/startup.py).
     Slots come first because every running request needs one: the null slot + ``max_seqs`` live
     slots, plus ``snapshot_fraction`` of what is left after those and a minimal KV (the null page +
-    one page per running request) as the radix tree's snapshot slots. Everything else is KV pages.
-    Plain-attention models have no slot pool; the whole budget is KV.
+    one page per running request + ``min_kv_tokens`` tokens, e.g. one full prefill step) as the
+    radix tree's snapshot slots. Everything else is KV pages. Plain-attention models have no slot
+    pool; the whole budget is KV.
 
     Why this split: a running request cannot make progress without its slot, so those are never
     traded away; snapshots are what make a hybrid model's prefix hits possible at all (DESIGN.md
@@ -110,7 +126,7 @@ def plan_pools(cfg: ModelConfig, dtype, *, page_size: int, max_seqs: int, mem_by
         raise ValueError(f"snapshot_fraction must be in [0, 1), got {snapshot_fraction}")
     pb, sb = page_bytes(cfg, dtype, page_size), slot_bytes(cfg, dtype)
     hybrid = num_layers_of_kind(cfg)[1] > 0
-    min_pages, min_slots = 1 + max_seqs, (1 + max_seqs if hybrid else 0)
+    min_pages, min_slots = _minimum(cfg, max_seqs, page_size, min_kv_tokens)
 
     if num_slots is not None and not hybrid:
         num_slots = 0
@@ -123,7 +139,8 @@ def plan_pools(cfg: ModelConfig, dtype, *, page_size: int, max_seqs: int, mem_by
             raise ValueError(
                 f"need {(param_bytes + reserve_bytes + need) / MiB:.1f} MiB for params ({param_bytes / MiB:.1f}), "
                 f"reserve ({reserve_bytes / MiB:.1f}) and minimal pools ({min_pages} pages + {min_slots} slots for "
-                f"max_seqs={max_seqs}: {need / MiB:.1f}), have {mem_bytes / MiB:.1f} MiB")
+                f"max_seqs={max_seqs}{f', {min_kv_tokens} KV tokens' if min_kv_tokens else ''}: {need / MiB:.1f}), "
+                f"have {mem_bytes / MiB:.1f} MiB")
         if num_slots is None and not hybrid:
             num_slots = 0
         elif num_slots is None and num_pages is None:

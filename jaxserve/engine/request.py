@@ -3,7 +3,14 @@
 Holdings are explicit so the leak check (invariant 7) can account for every page and slot:
 ``pages`` (KV pages for positions [0, len(pages) * page_size), one refcount each), ``slot`` (its own
 live linear-state slot, never shared with the tree: invariant 2) and ``locked`` (the radix node
-its cache hit pinned). ``num_computed`` tokens of ``all_ids`` are in the pools.
+its cache hit pinned). ``num_computed`` tokens of ``all_ids`` are fed to dispatched steps (in the
+pools, or about to be: device work is ordered by data, DESIGN.md invariant 3).
+
+Overlapped scheduling: the next step is planned while the previous one runs, so a request may have
+``num_inflight`` sampled tokens the host has not seen yet (0 or 1). The step that feeds such a token
+takes it from the previous step's device output (``Row.feed``). ``epoch`` counts releases (finish,
+abort, preemption): a row planned before a release is stale when its step is committed, and
+``Scheduler.commit`` drops it instead of applying it to a request that has moved on.
 """
 
 from __future__ import annotations
@@ -46,6 +53,9 @@ class Request:
     locked: object | None = None
     num_computed: int = 0
     restore_src: int = 0  # tree slot to copy into `slot` at the next step (a hit); 0 = none
+    num_inflight: int = 0  # sampled by a dispatched step, not yet committed (see module docstring)
+    inflight_row: int = -1  # the row of that step which samples it
+    epoch: int = 0  # bumped by every release; rows planned under an older epoch are stale
 
     def __post_init__(self):
         if self.cache_ids is None:
@@ -62,7 +72,10 @@ class Request:
 
     @property
     def num_pending(self) -> int:
-        """Tokens of ``all_ids`` not yet in the pools. Every step feeds some of them and samples when it
-        feeds the last one: a decode is a 1-token chunk, and after a preemption the output so far is
-        recomputed together with the prompt the same way."""
-        return len(self.all_ids) - self.num_computed
+        """Tokens not yet fed to a step: the rest of ``all_ids`` plus a sampled token still in flight.
+        Every step feeds some of them and samples when it feeds the last one: a decode is a 1-token
+        chunk, and after a preemption the output so far is recomputed with the prompt the same way.
+        0 once the request has sampled all ``max_tokens`` (the last may still be in flight)."""
+        if len(self.output_ids) + self.num_inflight >= self.sampling.max_tokens:
+            return 0
+        return len(self.all_ids) + self.num_inflight - self.num_computed

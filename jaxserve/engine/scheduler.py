@@ -3,6 +3,14 @@
 Host-only: it chooses page ids and slot ids and never looks at array contents (DESIGN.md). One
 engine iteration is ``plan = schedule()`` -> the runner executes the step -> ``commit(plan, ...)``.
 
+Overlapped scheduling (``Engine(overlap=True)``): step N+1 is planned and dispatched before step N
+is committed, so ``schedule()`` advances each request's ``num_computed`` when it plans a row (not at
+commit), a row may feed a token sampled by the step still in flight (``Row.feed``: that step's row
+index; the device reads it from that step's output), and ``commit`` drops rows whose request was
+released after they were planned (``Row.epoch``), freeing their snapshot slots. Freeing early is
+safe because every pool write and read happens in a step and steps run in dispatch order: a page or
+slot freed while step N is in flight can only be reused by a step after N.
+
 Every step mixes decodes (1-token rows) and prefill chunks (continuous batching, chunked prefill)
 under a token budget of ``max_prefill_tokens``. Running requests go first (decodes, then
 unfinished prefills, in arrival order), then the policy admits waiting requests while budget, rows,
@@ -46,6 +54,9 @@ class Row:
     restore_src: int = 0
     snapshots: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     samples: bool = False  # the row feeds the request's last pending token: its sampled token is kept
+    feed: int = -1  # >= 0: the last token is the one the previous step sampled in its row ``feed``
+    sample_idx: int = 0  # which output token the row samples (the sampling key's counter)
+    epoch: int = 0  # ``req.epoch`` when planned; a different epoch at commit means the row is stale
 
 
 @dataclasses.dataclass
@@ -89,6 +100,7 @@ class Scheduler:
         self.admission_barriers = BarrierStats()
         self.donation_barriers = BarrierStats()
         self.num_preemptions = 0
+        self.pending_snapshots: set[int] = set()  # slots of planned snapshots not yet committed
         # Debug hooks: called with a tree slot right after it is donated / before it is restored.
         self.on_donate: Callable[[int], None] | None = None
         self.on_restore: Callable[[int], None] | None = None
@@ -133,9 +145,11 @@ class Scheduler:
             if req not in self.running:  # preempted while making room for an earlier row
                 continue
             n = min(req.num_pending, budget)
+            if n == 0:  # its last token is sampled by the step in flight
+                continue
             if not self._reserve_pages(req, n, protect=rows):
                 continue
-            rows.append(self._row(req, n))
+            rows.append(self._row(req, n, len(rows)))
             budget -= n
         prefix_len = lambda r: self.cache.peek(r.all_cache_ids)  # noqa: E731 - no LRU/metric side effects
         for req in self.policy.order(list(self.waiting), prefix_len):
@@ -144,14 +158,25 @@ class Scheduler:
             n = self._admit(req, budget)
             if n == 0:
                 break
-            rows.append(self._row(req, n))
+            rows.append(self._row(req, n, len(rows)))
             budget -= n
         return StepPlan(rows) if rows else None
 
-    def _row(self, req: Request, n: int) -> Row:
+    def _row(self, req: Request, n: int, index: int) -> Row:
+        """Plan ``n`` tokens of ``req`` as row ``index`` of the step, and account for them as fed."""
         start = req.num_computed
-        row = Row(req, start, req.all_ids[start : start + n], restore_src=req.restore_src,
-                  samples=start + n == len(req.all_ids))
+        tokens = req.all_ids[start : start + n]
+        feed = -1
+        if len(tokens) < n:  # the last token is still being sampled by the step in flight
+            assert len(tokens) == n - 1 and req.num_inflight == 1 and req.inflight_row >= 0, req
+            tokens, feed = tokens + [0], req.inflight_row
+        samples = start + n == len(req.all_ids) + req.num_inflight
+        row = Row(req, start, tokens, restore_src=req.restore_src, samples=samples, feed=feed,
+                  sample_idx=len(req.output_ids) + req.num_inflight, epoch=req.epoch)
+        req.num_computed, req.restore_src = start + n, 0  # the restore happens in this row's step
+        if samples:
+            req.num_inflight += 1
+            req.inflight_row = index
         if self.hybrid:
             first = (start // self.interval + 1) * self.interval
             for boundary in range(first, start + n + 1, self.interval):
@@ -161,10 +186,12 @@ class Scheduler:
                 if slot is None:
                     break  # the cache is only less useful; correctness does not depend on it
                 row.snapshots.append((boundary - start, slot))
+                self.pending_snapshots.add(slot)
         return row
 
     def _tree_has_snapshot(self, req: Request, boundary: int) -> bool:
-        return self.cache.peek(req.all_cache_ids[: boundary + 1]) == boundary
+        ids = req.all_cache_ids  # may lack a token in flight: then the peek is only shorter (no false yes)
+        return self.cache.peek(ids[: boundary + 1]) == boundary
 
     def _admit(self, req: Request, budget: int) -> int:
         """Admit ``req`` with its first chunk of at most ``budget`` tokens; 0 if it cannot start now."""
@@ -248,17 +275,22 @@ class Scheduler:
     # ------------------------------------------------------------------ after the step
 
     def commit(self, plan: StepPlan, tokens: list[int], logprobs: list[float]) -> list[Request]:
-        """Account for an executed step; returns the requests that finished in it."""
+        """Account for an executed step; returns the requests that finished in it. Rows of requests
+        released since the plan (``Row.epoch``) are dropped and their snapshot slots freed."""
         if any(row.snapshots for row in plan.rows):
             self.donation_barriers.timed(self.barrier)
         finished = []
         for row, tok, lp in zip(plan.rows, tokens, logprobs):
             req = row.req
-            req.num_computed = row.start + len(row.tokens)
-            req.restore_src = 0
+            self.pending_snapshots.difference_update(slot for _, slot in row.snapshots)
+            if row.epoch != req.epoch:
+                for _, slot in row.snapshots:
+                    self.slots.free(slot)
+                continue
             for consumed, slot in row.snapshots:
                 self._donate(req, row.start + consumed, slot)
             if row.samples:
+                req.num_inflight -= 1
                 req.output_ids.append(int(tok))
                 req.logprobs.append(float(lp))
                 reason = self._finish_reason(req)
@@ -286,9 +318,11 @@ class Scheduler:
         self._release(req)
         req.status, req.finish_reason = Status.FINISHED, reason
 
-    def _release(self, req: Request) -> None:
-        whole = req.num_computed // self.page_size
-        if whole and req.locked is not None:
+    def _release(self, req: Request, offer: bool = True) -> None:
+        """Give back everything ``req`` holds; ``offer``: its whole computed pages go to the tree."""
+        # Tokens fed to a step but still being sampled have no cache id yet: offer only known ones.
+        whole = min(req.num_computed, len(req.all_cache_ids)) // self.page_size
+        if offer and whole and req.locked is not None:
             # Plain attention keeps every whole page; hybrid trees keep what a snapshot covers.
             self.cache.insert(req.all_cache_ids[: whole * self.page_size], req.pages[:whole], {})
         if req.locked is not None:
@@ -297,6 +331,31 @@ class Scheduler:
         if req.slot is not None:
             self.slots.free(req.slot)
         req.pages, req.slot, req.locked, req.num_computed, req.restore_src = [], None, None, 0, 0
+        req.num_inflight, req.inflight_row, req.epoch = 0, -1, req.epoch + 1
+
+    # ------------------------------------------------------------------ failed steps
+
+    def abandon(self, plan: StepPlan) -> None:
+        """Forget a planned step that will never be committed (it failed, or ran on lost pools):
+        free the snapshot slots it was to fill. Its requests are dealt with by the caller."""
+        for row in plan.rows:
+            for _, slot in row.snapshots:
+                if slot in self.pending_snapshots:
+                    self.pending_snapshots.discard(slot)
+                    self.slots.free(slot)
+
+    def lose_device_state(self) -> None:
+        """The pools' contents are gone (a failed step consumed them and they were re-created):
+        requeue every running request to recompute from its prompt and output so far, offering
+        nothing to the tree, then flush the tree, whose pages and snapshots described lost bytes."""
+        for req in list(self.running):
+            self.running.remove(req)
+            self._release(req, offer=False)
+            req.num_preemptions += 1
+            req.status = Status.WAITING
+            self.waiting.append(req)
+        self.waiting.sort(key=lambda r: r.arrival)
+        self.cache.flush()
 
     # ------------------------------------------------------------------ checks
 
@@ -322,6 +381,8 @@ class Scheduler:
             assert None not in req_slots, "a running hybrid request without a slot"
             assert len(set(req_slots)) == len(req_slots), "two requests share a slot"
             assert not tree_slots & set(req_slots), f"slots shared by a request and the tree: {tree_slots & set(req_slots)}"
-            held = tree_slots | set(req_slots)
+            pending = self.pending_snapshots
+            assert not pending & (tree_slots | set(req_slots)), f"planned snapshot slots also held: {pending}"
+            held = tree_slots | set(req_slots) | pending
             for s in range(1, self.slots.capacity + 1):
                 assert self.slots.is_free(s) == (s not in held), f"slot {s}: free={self.slots.is_free(s)}, held={s in held}"

@@ -15,7 +15,9 @@
 on the H200 and run the engine hammer with hit == cold (``scripts/device/verify_kernels.sh``;
 results in ``benchmarks/RESULTS.md``), so the default serving path is always one that was
 checked on the device. Kernel names: ``gdn_decode``, ``gdn_prefill``, ``paged_attention``,
-``conv1d`` (the GDN short conv, prefill and decode).
+``conv1d`` (the GDN short conv, prefill and decode), ``moe`` (the routed experts of MoE layers: a
+grouped GEMM over the experts the tokens use, ``pallas_kernels/moe.py``; not in ``AUTO_ON_GPU``
+until it passes ``benchmarks/gpu_check.py --suites moe``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import jax
 
 from jaxserve.config import ModelConfig
 
-KERNELS = ("gdn_decode", "gdn_prefill", "paged_attention", "conv1d")
+KERNELS = ("gdn_decode", "gdn_prefill", "paged_attention", "conv1d", "moe")
 # 2026-12-02, session 3: gpu_check 26/26 on the H200, the engine hammer with the GDN kernels in
 # fp32 (hit == cold) and with every kernel in bf16; speeds in benchmarks/RESULTS.md. conv1d joined
 # 2026-12-03 (session 5): gpu_check 7/7 (final and x64 snapshot conv states bit-exact, outputs

@@ -21,6 +21,7 @@ from jax import lax
 
 from jaxserve.config import SLIDING_ATTENTION, ModelConfig
 from jaxserve.models import backends
+from pallas_kernels import moe as moe_kernel
 from pallas_kernels import paged_attention as paged_attention_kernel
 
 # Keys are visited in blocks of this many positions. It is the snapshot interval of DESIGN.md
@@ -291,28 +292,48 @@ def moe(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """Top-k routed experts (``route``) plus a shared expert: sigmoid-gated (Qwen3-Next /
     Qwen3.5-MoE) or not (Kimi-Linear).
 
-    Tokens are sorted by expert and run through ``lax.ragged_dot`` so each expert's weights are
-    applied only to the tokens routed to it; the results are weighted and summed back per token.
-    Expert weights: gate_up [E, H, 2I], down [E, I, H].
+    The routed experts run through ``routed_experts`` (``lax.ragged_dot``, the reference) or the
+    Mosaic GPU grouped GEMM (``pallas_kernels.moe.moe_experts``, ``use_moe_kernel``), which reads
+    only the experts the tokens use. Expert weights: gate_up [E, H, 2I], down [E, I, H].
     """
     shape = x.shape
     xt = x.reshape(-1, shape[-1])
-    n, k, e = xt.shape[0], cfg.num_experts_per_tok, cfg.num_experts
     top_w, top_i = route(p, cfg, xt)
-    top_w = top_w.astype(x.dtype)
-
-    flat_expert = top_i.reshape(-1)
-    order = jnp.argsort(flat_expert, stable=True)
-    token_of = (jnp.arange(n * k) // k)[order]
-    group_sizes = jnp.bincount(flat_expert, length=e).astype(jnp.int32)
-    xs = xt[token_of]
-    gate_up = jax.lax.ragged_dot(xs, p["gate_up"], group_sizes)
-    gate, up = jnp.split(gate_up, 2, axis=-1)
-    hs = jax.lax.ragged_dot(jax.nn.silu(gate) * up, p["down"], group_sizes)
-    hs = hs * top_w.reshape(-1)[order][:, None]
-    routed = jax.ops.segment_sum(hs, token_of, num_segments=n)
+    if use_moe_kernel(cfg, x.dtype):
+        routed = moe_kernel.moe_experts(xt, top_w, top_i, p["gate_up"], p["down"], interpret=backends.interpret(cfg))
+    else:
+        routed = routed_experts(xt, top_w.astype(x.dtype), top_i, p["gate_up"], p["down"])
 
     shared = mlp(p["shared_expert"], xt)
     if cfg.shared_expert_gate:
         shared = shared * jax.nn.sigmoid(xt @ p["shared_expert_gate"])
     return (routed + shared).astype(x.dtype).reshape(shape)
+
+
+def routed_experts(xt: jax.Array, top_w: jax.Array, top_i: jax.Array, gate_up: jax.Array,
+                   down: jax.Array) -> jax.Array:
+    """``Σ_s top_w[t, s] * expert_{top_i[t, s]}(xt[t])`` with ``lax.ragged_dot``: the (token, expert)
+    pairs are sorted by expert (stable) so each expert's weights apply only to its rows; the
+    results are weighted and summed back per token (``segment_sum``). In ``xt.dtype``, rounded after
+    every op (the reference the kernel is tested against)."""
+    n, k, e = xt.shape[0], top_i.shape[1], gate_up.shape[0]
+    flat_expert = top_i.reshape(-1)
+    order = jnp.argsort(flat_expert, stable=True)
+    token_of = (jnp.arange(n * k) // k)[order]
+    group_sizes = jnp.bincount(flat_expert, length=e).astype(jnp.int32)
+    xs = xt[token_of]
+    gate_up = jax.lax.ragged_dot(xs, gate_up, group_sizes)
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    hs = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down, group_sizes)
+    hs = hs * top_w.reshape(-1)[order][:, None]
+    return jax.ops.segment_sum(hs, token_of, num_segments=n)
+
+
+def use_moe_kernel(cfg: ModelConfig, act_dtype) -> bool:
+    """Static: the Mosaic GPU grouped GEMM (``pallas_kernels.moe``) or ``routed_experts`` above
+    (``backends``). The kernel takes bf16 / fp16 on the GPU (fp32 under interpretation) and hidden /
+    expert intermediate sizes its tiles divide (``moe_kernel.supports``)."""
+    fits = moe_kernel.supports(cfg.hidden_size, cfg.moe_intermediate_size, act_dtype,
+                               gpu=not backends.interpret(cfg))
+    return backends.use_kernel(cfg, "moe", fits, f"hidden {cfg.hidden_size}, expert intermediate "
+                               f"{cfg.moe_intermediate_size}, {jnp.dtype(act_dtype).name}")

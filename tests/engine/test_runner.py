@@ -60,7 +60,9 @@ KDA_KERNEL_CONFIG = {
 KERNEL_CONFIGS = {"gdn_decode": KERNEL_CONFIG, "kda": KDA_KERNEL_CONFIG}
 PAGE = 16
 MAX_LEN = 128  # every sequence fits; the dense reference is [N, 64] run twice
-BUCKETS = runner.Buckets(tokens=(128,), seqs=(8,), snapshots=(4,), pages_per_seq=MAX_LEN // PAGE, page_size=PAGE)
+BUCKETS = runner.Buckets(tokens=(128,), seqs=(8,), pages_per_seq=MAX_LEN // PAGE, page_size=PAGE)
+# the schedule's two programs: every mixed step pads S to 128 // 64 + 8; its decode steps ask for <= 1 snapshot
+PROGRAMS = [(128, 8, 10, False), (8, 8, 1, True)]
 GREEDY = dict(temperature=0.0)
 SAMPLED = dict(temperature=0.8, top_k=20, top_p=0.9, seed=7)
 
@@ -252,9 +254,10 @@ def test_make_batch_pads_to_buckets():
     b = runner.make_batch(rows, BUCKETS)
     assert b.tokens.shape == (128,) and b.cu_seqlens.tolist()[:4] == [0, 3, 4, 4] and not runner.is_decode(b)
     assert b.positions[:4].tolist() == [16, 17, 18, 0] and b.page_table[0, :3].tolist() == [3, 4, 0]
-    assert b.snap_seq.tolist() == [0, 0, 0, 0] and b.snap_dst.tolist() == [9, 0, 0, 0]
+    assert b.snap_seq.tolist() == [0] * 10 and b.snap_dst.tolist() == [9] + [0] * 9  # S = 128 // 64 + 8 rows
     d = runner.make_batch([runner.RowSpec(tokens=[1], start=5, pages=[2], slot=1)], BUCKETS)
     assert runner.is_decode(d) and d.tokens.shape == (8,) and d.cu_seqlens.tolist() == list(range(9))
+    assert d.snap_seq.shape == (1,)  # a decode step of 8 rows pads S to 8 // 16 -> 1 unless more rows ask
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -271,13 +274,54 @@ def test_make_batch_rejects(bad, match):
 
 def test_buckets_for_limits():
     b = runner.Buckets.for_limits(max_prefill_tokens=2048, max_seqs=48, max_model_len=1000, page_size=16)
-    assert b.tokens == (16, 32, 64, 128, 256, 512, 1024, 2048)
+    assert b.tokens == (32, 64, 128, 256, 512, 1024, 2048)
     assert b.seqs == (1, 2, 4, 8, 16, 32, 48)
-    assert b.snapshots == (2, 8, 32, 2048 // 64 + 48)
-    assert b.pages_per_seq == 64 and b.rows_for(16) == 16 and b.rows_for(2048) == 48
-    assert len(b.programs()) == (8 + 7) * 4
+    assert b.pages_per_seq == 64 and b.rows_for(32) == 32 and b.rows_for(2048) == 48
+    assert b.snapshot_sizes(2048, False) == (2048 // 64 + 48,) and b.snapshot_sizes(32, False) == (32,)
+    assert [b.snapshot_sizes(n, True) for n in (1, 2, 4, 32, 48)] == [(1,), (2,), (1, 4), (2, 32), (3, 48)]
+    assert len(b.programs()) == 7 + (1 + 1 + 2 * 5) == len(set(b.programs()))
+    assert b.with_max_tokens(256).tokens == (32, 64, 128, 256) and b.with_max_tokens(256).seqs == b.seqs
+    with pytest.raises(ValueError, match="not one of"):
+        b.with_max_tokens(300)
     with pytest.raises(ValueError, match="divide"):
         runner.Buckets.for_limits(max_prefill_tokens=64, max_seqs=4, max_model_len=64, page_size=24)
+
+
+@pytest.mark.parametrize("max_seqs, count", [(64, 21), (32, 19)])
+def test_program_counts_of_the_serve_defaults(max_seqs, count):
+    """``--max-prefill-length 8192`` with 64 (the default) or 32 running requests: |tokens| = 9 mixed
+    programs and two per decode bucket above 2 rows (one S ladder per shape gave 85 and 80)."""
+    b = runner.Buckets.for_limits(max_prefill_tokens=8192, max_seqs=max_seqs, max_model_len=8192, page_size=16)
+    assert len(b.programs()) == count
+
+
+def _boundaries_crossed(start: int, n: int) -> int:
+    """×64 boundaries in (start, start + n]: the snapshots the scheduler asks of such a row, at most."""
+    return sum(1 for pos in range(start + 1, start + n + 1) if pos % 64 == 0)
+
+
+@pytest.mark.parametrize("max_seqs", [1, 3, 8, 48])
+def test_largest_snapshot_size_covers_every_step(max_seqs):
+    """Random steps (rows at random cache offsets, random splits of up to T tokens, every row
+    crossing every boundary it can): the snapshots never exceed the last size of the step's shape,
+    counted row by row (independent of the capacity formula)."""
+    rng = np.random.default_rng(max_seqs)
+    b = runner.Buckets.for_limits(max_prefill_tokens=1024, max_seqs=max_seqs, max_model_len=8192, page_size=16)
+    for _ in range(3000):
+        decode = rng.random() < 0.3
+        if decode:
+            n_rows = int(rng.integers(1, max_seqs + 1))
+            lens = [1] * n_rows
+            T = runner._fit(n_rows, b.seqs, "rows")
+        else:
+            total = int(rng.integers(1, b.tokens[-1] + 1))
+            n_rows = int(rng.integers(1, min(total, max_seqs) + 1))
+            cuts = np.sort(rng.choice(np.arange(1, total), n_rows - 1, replace=False)) if n_rows > 1 else []
+            lens = np.diff([0, *cuts, total]).tolist()
+            T = runner._fit(total, b.tokens, "tokens")
+        starts = [int(63 - rng.integers(0, 3)) if rng.random() < 0.5 else int(rng.integers(0, 4096)) for _ in lens]
+        snaps = sum(_boundaries_crossed(s, n) for s, n in zip(starts, lens))
+        assert snaps <= b.snapshot_sizes(T, decode)[-1], (T, decode, lens, starts)
 
 
 def test_warmup_writes_only_null_entries(case):
@@ -287,7 +331,7 @@ def test_warmup_writes_only_null_entries(case):
     rng = np.random.default_rng(1)
     live = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), result["pools"])
     before = jax.tree.map(np.asarray, live)
-    after = runner.warmup(model.params, model.config, live, BUCKETS, programs=[(128, 8, 4, False), (8, 8, 4, True)])
+    after = runner.warmup(model.params, model.config, live, BUCKETS, programs=PROGRAMS)
     for b, a in zip(before, jax.tree.map(np.asarray, after)):
         assert np.array_equal(b[:, 1:], a[:, 1:])
 
@@ -306,7 +350,7 @@ def test_device_executor_runs_a_scheduler_plan(case):
         s = seqs[name]
         req = ns(pages=s.pages, slot=s.slot, output_ids=[], sampling=ns(**{"top_k": 0, "top_p": 1.0, "seed": 0,
                                                                            **s.sampling}))
-        rows.append(ns(req=req, start=0, tokens=s.tokens[:n], restore_src=0, snapshots=[]))
+        rows.append(ns(req=req, start=0, tokens=s.tokens[:n], restore_src=0, snapshots=[], sample_idx=0, feed=-1))
     tokens, logprobs = ex.execute(ns(rows=rows))
     first = result["records"][:4]
     assert tokens == [r[2] for r in first]

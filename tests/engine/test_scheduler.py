@@ -4,7 +4,8 @@ The fake device makes every token a function of the KV a request reads and the l
 carries, so "hit equals cold" and "nothing leaks" are checked here over thousands of steps in
 seconds: every finished request must produce exactly ``reference_continuation`` of its prompt,
 and the invariant check (every page and slot free, held by a live request, or held by the tree)
-runs after every step.
+runs after every step. Every test runs twice: with the step loop synchronous and overlapped
+(step N+1 planned and dispatched before step N is committed).
 """
 
 from __future__ import annotations
@@ -25,6 +26,14 @@ from tests.engine.checks import assert_pools_free_after_flush
 from tests.engine.fake_device import FakeExecutor, reference_continuation
 
 VOCAB = 1000
+OVERLAP = [False]  # set per test by the ``loop`` fixture
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["sync", "overlap"])
+def loop(request):
+    OVERLAP[0] = request.param
+    yield request.param
+    OVERLAP[0] = False
 
 
 def make_engine(*, hybrid=True, num_pages=128, num_slots=24, page_size=16, max_prefill=96, max_running=8,
@@ -35,7 +44,7 @@ def make_engine(*, hybrid=True, num_pages=128, num_slots=24, page_size=16, max_p
     sched = Scheduler(pages=pages, slots=slots, cache=cache, page_size=page_size, max_prefill_tokens=max_prefill,
                       max_running=max_running, max_pages_per_seq=max_pages_per_seq, policy=make_policy(policy))
     ex = FakeExecutor(num_pages, num_slots, page_size, VOCAB, hybrid)
-    return Engine(sched, ex, vocab_size=VOCAB, debug_snapshot_checksums=True)
+    return Engine(sched, ex, vocab_size=VOCAB, debug_snapshot_checksums=True, overlap=OVERLAP[0])
 
 
 def prompt(rng: random.Random, n: int) -> list[int]:
@@ -110,7 +119,8 @@ def test_abort_queued_prefilling_and_decoding_frees_everything():
     for rid in (c, a, b):
         assert engine.abort(rid)
         engine.check_invariants()
-    assert not engine.has_work()
+    assert not engine.scheduler.has_work()
+    assert engine.step() == [] and not engine.has_work()  # overlapped: the step in flight is dropped
     assert not engine.abort(a)
     assert_pools_free_after_flush(engine)
 
@@ -208,5 +218,65 @@ def test_storm_of_submits_aborts_evictions(seed, hybrid, pressure):
         if step >= 250 and not engine.has_work():
             break
     assert not engine.has_work() and not expected, "storm did not drain"
+    assert engine.snapshot_checksum_mismatches == 0
+    assert_pools_free_after_flush(engine)
+
+
+def test_overlapped_loop_feeds_tokens_it_has_not_read_yet():
+    """With overlap, a decode row is planned before its input token reaches the host: the row names
+    the previous step's row (``feed``) and the device reads the token there. One step is always in
+    flight while requests decode, and the tokens still equal the cold reference."""
+    if not OVERLAP[0]:
+        pytest.skip("overlap only")
+    rng = random.Random(8)
+    engine = make_engine()
+    prompts = [prompt(rng, n) for n in (20, 70)]
+    rids = [engine.add_request(p, greedy(12)) for p in prompts]
+    fed = 0
+    outs = {}
+    while engine.has_work():
+        for o in engine.step():
+            outs[o.request_id] = o
+        engine.check_invariants()
+        if engine.scheduler.running:
+            assert len(engine._in_flight) == 1
+            fed += sum(row.feed >= 0 for row in engine._in_flight[0][0].rows)
+    assert fed > 0
+    for rid, p in zip(rids, prompts):
+        assert outs[rid].output_ids == reference_continuation(p, 12, VOCAB)
+    assert_pools_free_after_flush(engine)
+
+
+@pytest.mark.parametrize("lose_state", [False, True], ids=["pools-kept", "pools-lost"])
+def test_failed_step_fails_its_requests_and_the_engine_keeps_serving(lose_state):
+    """A step that fails on the device fails exactly the requests it carried (finish_reason
+    "error"); everything else finishes equal to cold, nothing leaks, and later requests (hits
+    included) are served normally. When the failure took the pools with it, the cache is flushed
+    and the other running requests are recomputed, never served from lost state."""
+    rng = random.Random(9)
+    engine = make_engine(max_prefill=64, max_running=3)
+    shared = prompt(rng, 130)
+    engine.generate([shared], greedy(3))  # a tree snapshot for later hits
+    ex = engine.executor
+    ex.lose_state_on_failure = lose_state
+    prompts = [shared + prompt(rng, 10), prompt(rng, 40), prompt(rng, 90), prompt(rng, 5)]
+    rids = [engine.add_request(p, greedy(20)) for p in prompts]
+    engine.step()
+    ex.fail_steps = {ex.steps + 3}
+    outs = {}
+    for _ in range(500):
+        if not engine.has_work():
+            break
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+        engine.check_invariants()
+    failed = [rid for rid in rids if outs[rid].finish_reason == "error"]
+    assert 1 <= len(failed) < len(rids) and engine.failed_steps == 1
+    for rid, p in zip(rids, prompts):
+        if rid not in failed:
+            assert outs[rid].output_ids == reference_continuation(p, 20, VOCAB), rid
+    again = engine.generate([shared + prompt(rng, 3)], greedy(5))[0]
+    assert again.output_ids == reference_continuation(shared + again.prompt_token_ids[130:], 5, VOCAB)
     assert engine.snapshot_checksum_mismatches == 0
     assert_pools_free_after_flush(engine)

@@ -1,8 +1,10 @@
-"""`jaxserve serve` as users start it (a subprocess): the port opens only after the warm-up compile,
-and the official openai client streams a chat completion from it."""
+"""`jaxserve serve` as users start it (a subprocess): the port opens only after every step program is
+compiled, the official openai client streams a chat completion from it, and no request after that
+waits for a compile."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import signal
 import socket
 import subprocess
@@ -11,6 +13,14 @@ import time
 
 import httpx
 import openai
+import pytest
+
+from tests.server.test_server import parse_metrics
+
+KEY = "sk-cli"
+# --max-prefill-length 64 --max-running-requests 4: token buckets (32, 64), decode buckets (1, 2, 4)
+# with S in (1,), (2,), (1, 4): 2 + 4 step programs.
+PROGRAMS = 6
 
 
 def _free_port() -> int:
@@ -19,34 +29,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_default_model_streams_chat(tmp_path):
-    port, key = _free_port(), "sk-cli"
-    log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), "--api-key", key,
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """One server for the module: (base url, its log file)."""
+    port, log_path = _free_port(), tmp_path_factory.mktemp("serve") / "serve.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), "--api-key", KEY,
                              "--dtype", "float32", "--num-pages", "64", "--num-slots", "8", "--max-prefill-length", "64",
                              "--max-running-requests", "4", "--served-model-name", "tiny-default"],
                             stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 300
         while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            assert proc.poll() is None, log_path.read_text()
             assert time.monotonic() < deadline, "server not ready in time"
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
-        startup = (tmp_path / "serve.log").read_text()
-        assert "serve config:" in startup and "served_model_name=tiny-default" in startup
-        assert startup.index("compiled in") < startup.index("Uvicorn running")  # ready only after the compile
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=60)
-        assert [m.id for m in client.models.list().data] == ["tiny-default"]
-        stream = client.chat.completions.create(model="tiny-default", messages=[{"role": "user", "content": "Hi!"}],
-                                                max_tokens=5, temperature=0, stream=True,
-                                                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-        chunks = list(stream)
-        assert chunks[0].choices[0].delta.role == "assistant"
-        assert chunks[-1].usage.completion_tokens == 5
+        yield f"http://127.0.0.1:{port}", log_path
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -57,7 +59,57 @@ def test_serve_default_model_streams_chat(tmp_path):
         log.close()
 
 
+def test_serve_default_model_streams_chat(served):
+    url, log_path = served
+    startup = log_path.read_text()
+    assert "serve config:" in startup and "served_model_name=tiny-default" in startup
+    assert f"compiling {PROGRAMS} step programs" in startup and f"compiled {PROGRAMS} step programs in" in startup
+    assert startup.index("compiled in") < startup.index("Uvicorn running")  # ready only after the compile
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list().data] == ["tiny-default"]
+    stream = client.chat.completions.create(model="tiny-default", messages=[{"role": "user", "content": "Hi!"}],
+                                            max_tokens=5, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage.completion_tokens == 5
+
+
+def test_no_request_waits_for_a_compile(served):
+    """Prompts of 1 to 150 tokens (chunked at 64), 1 to 4 at once, short and long outputs, greedy
+    and sampled: after "ready" the process compiles nothing (``/metrics``); its step compiles are the
+    start-up's, one per program (on a CPU nothing is measured, so there is no probe)."""
+    url, _ = served
+    headers = {"Authorization": f"Bearer {KEY}"}
+    m0 = parse_metrics(httpx.get(f"{url}/metrics").text)
+    assert m0["jaxserve_step_compiles_total"] == PROGRAMS
+
+    def complete(n_prompt: int, max_tokens: int, temperature: float) -> int:
+        body = {"model": "tiny-default", "prompt": [(7 * i + n_prompt) % 3000 + 10 for i in range(n_prompt)],
+                "max_tokens": max_tokens, "temperature": temperature, "seed": n_prompt, "ignore_eos": True}
+        r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["completion_tokens"]
+
+    mix = [(1, 3, 0.0), (20, 70, 0.8), (64, 1, 0.0), (65, 9, 0.0), (150, 20, 0.5), (3, 2, 0.0), (100, 40, 0.0)]
+    for concurrency in (1, 2, 4):
+        with concurrent.futures.ThreadPoolExecutor(concurrency) as ex:
+            done = list(ex.map(lambda a: complete(*a), mix[:concurrency + 3]))
+        assert done == [k for _, k, _ in mix[:concurrency + 3]]
+    m1 = parse_metrics(httpx.get(f"{url}/metrics").text)
+    assert m1["jaxserve_compiles_after_ready_total"] == 0
+    assert m1["jaxserve_step_compiles_total"] == PROGRAMS
+
+
 def test_serve_bad_model_exits_2():
     proc = subprocess.run([sys.executable, "-m", "jaxserve.cli", "serve", "--model", "/nonexistent", "--port", "1"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "no such checkpoint folder" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("flag, value, message", [("--mem-fraction", "0", "--mem-fraction must be in (0, 1]"),
+                                                  ("--compile-workers", "0", "--compile-workers must be >= 1")])
+def test_serve_bad_start_up_flags_exit_2(flag, value, message):
+    proc = subprocess.run([sys.executable, "-m", "jaxserve.cli", "serve", flag, value, "--port", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr

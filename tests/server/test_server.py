@@ -269,6 +269,46 @@ def test_cached_tokens_on_repeated_long_prompt(ctx):
     assert a.usage.prompt_tokens > 64 and b.usage.prompt_tokens_details.cached_tokens >= 64
 
 
+# ---------------------------------------------------------------------- failed steps
+
+
+@pytest.mark.parametrize("lose_pools", [False, True], ids=["pools-kept", "pools-lost"])
+def test_failed_step_fails_its_request_and_the_server_keeps_serving(ctx, lose_pools):
+    """A step that raises on the device (here: the next dispatch, after deleting the pools it would
+    donate when ``lose_pools``, as an out-of-memory mid-step does) answers its request with a 500
+    ``step_failed`` (a streamed one with an error event), and nothing else: /health stays 200, the
+    next requests equal the offline reference, and no page or slot leaks."""
+    import jax
+
+    def arm(engine):
+        ex = engine.executor
+        real = ex.dispatch
+
+        def failing(plan):
+            ex.dispatch = real  # once
+            if lose_pools:
+                for x in jax.tree.leaves(ex.pools):
+                    x.delete()
+            raise RuntimeError("RESOURCE_EXHAUSTED: injected out of memory")
+        ex.dispatch = failing
+
+    before = ctx.engine.failed_steps
+    ctx.aeng.call_sync(arm)
+    r = ctx.http.post("/v1/completions", json={"model": MODEL, "prompt": "Hello there", "max_tokens": 4})
+    assert r.status_code == 500 and r.json()["error"]["code"] == "step_failed", r.text
+    ctx.aeng.call_sync(arm)
+    body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 4, "stream": True}
+    with ctx.http.stream("POST", "/v1/completions", json=body) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["error"]["code"] == "step_failed"
+    assert ctx.engine.failed_steps == before + 2
+    assert ctx.http.get("/health").status_code == 200
+    out = ctx.client.completions.create(model=MODEL, prompt=ctx.prompts["hello"], **GREEDY)
+    assert out.choices[0].text == ctx.ref["hello"].text
+    wait_idle(ctx)
+    assert_pools_free(ctx)
+
+
 # ---------------------------------------------------------------------- disconnects
 
 
