@@ -1,8 +1,12 @@
 """Where a decode step's time goes, in-process (no HTTP): the engine on a real-size checkpoint,
-decode tok/s at batch 1 and 32 with the step loop synchronous and overlapped, and the per-kernel
-GPU time of one decode step (CUPTI, ``jaxserve/profiling.py``). Device-only.
+decode tok/s at batch 1 and 32 with the step loop synchronous and overlapped, the per-kernel GPU
+time of one decode step (CUPTI, ``jaxserve/profiling.py``), for each ``--kernels`` setting (the
+first one is the baseline), and the greedy-token agreement of every other setting with the first
+on the same prompts (top-1 agreement, compared up to each request's first divergence and counted
+over all tokens). Device-only.
 
-    python benchmarks/decode_profile.py --ckpt runs/e2e-ck --out $OUT/decode.json [--kernels auto]
+    python benchmarks/decode_profile.py --ckpt runs/e2e-ck --out $OUT/decode.json \
+        --kernels "auto;gdn_decode,gdn_prefill,paged_attention,conv1d,moe"
 """
 
 from __future__ import annotations
@@ -22,19 +26,30 @@ def log(msg: str) -> None:
     print(f"[decode {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def decode_rate(engine, batch: int, prompt_len: int, new: int, seed: int) -> dict:
-    """Serve ``batch`` random prompts together; tok/s over the steps after every prompt is prefilled."""
+def random_ids(rng: random.Random, engine, n: int) -> list[int]:
+    """Random ordinary token ids: clear of the low ids and of the specials at the vocabulary's end."""
+    v = engine.vocab_size
+    return [rng.randrange(v // 8, v - 300) for _ in range(n)]
+
+
+def decode_rate(engine, batch: int, prompt_len: int, new: int, seed: int, outputs: dict | None = None) -> dict:
+    """Serve ``batch`` random prompts together; tok/s over the steps after every prompt is prefilled.
+    ``outputs`` (if given) collects each request's output ids by its index."""
     from jaxserve.generate import SamplingParams
 
     rng = random.Random(seed)
     sp = SamplingParams(max_tokens=new, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request([rng.randrange(1000, 150000) for _ in range(prompt_len)], sp)
+    rids = {}
+    for i in range(batch):
+        rids[engine.add_request(random_ids(rng, engine, prompt_len), sp)] = i
     stamps, produced = [], []
     while engine.has_work():
         outs = engine.step()
         stamps.append(time.perf_counter())
         produced.append(sum(len(o.new_ids) for o in outs))
+        for o in outs:
+            if o.finished and outputs is not None:
+                outputs[rids[o.request_id]] = list(o.output_ids)
     # steady state: from the step where every request has its first token to the end
     firsts, seen = 0, 0
     for i, n in enumerate(produced):
@@ -44,7 +59,7 @@ def decode_rate(engine, batch: int, prompt_len: int, new: int, seed: int) -> dic
             break
     toks = sum(produced[firsts + 1:])
     dt = stamps[-1] - stamps[firsts]
-    return {"batch": batch, "tok_s": round(toks / dt, 1), "step_ms": round(dt / max(1, len(stamps) - firsts - 1) * 1e3, 3),
+    return {"batch": batch, "tok_s": round(toks / dt, 1) if dt > 0 else None, "step_ms": round(dt / max(1, len(stamps) - firsts - 1) * 1e3, 3),
             "steps": len(stamps)}
 
 
@@ -54,7 +69,7 @@ def kernel_breakdown(engine, batch: int, prompt_len: int, seed: int) -> dict | N
 
     rng = random.Random(seed)
     for _ in range(batch):
-        engine.add_request([rng.randrange(1000, 150000) for _ in range(prompt_len)],
+        engine.add_request(random_ids(rng, engine, prompt_len),
                            SamplingParams(max_tokens=40, ignore_eos=True))
     overlap, engine.overlap = engine.overlap, False
     while any(r.num_pending > 1 or not r.output_ids for r in engine.scheduler.running) or engine.scheduler.waiting:
@@ -73,35 +88,69 @@ def kernel_breakdown(engine, batch: int, prompt_len: int, seed: int) -> dict | N
     return profiling.summarize(per, top=12) if per else None
 
 
+def agreement(base: dict, other: dict) -> dict:
+    """Greedy top-1 agreement: tokens equal up to each request's first divergence (after it the
+    contexts differ, so later tokens are not comparable), over all tokens of ``base``."""
+    same = total = diverged = 0
+    for i, ref in base.items():
+        got = other.get(i, [])
+        n = next((j for j, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+        same += n
+        total += len(ref)
+        diverged += n < len(ref)
+    return {"tokens": total, "agree_until_divergence": same, "share": round(same / max(total, 1), 4),
+            "requests_diverged": diverged, "requests": len(base)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", type=Path, default=ROOT / "runs/e2e-ck")
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--kernels", default="auto")
+    ap.add_argument("--kernels", default="auto", help="';'-separated settings of EngineArgs.kernels")
     ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--new", type=int, default=128, help="tokens generated per request")
     args = ap.parse_args()
     from jaxserve.engine.llm import EngineArgs, build_engine
 
+    import dataclasses
+
+    import jax
+
+    settings = args.kernels.split(";")
     t0 = time.time()
     engine = build_engine(EngineArgs(model=str(args.ckpt), dtype="bfloat16", max_running_requests=32,
-                                     max_prefill_length=4096, num_pages=4096, num_slots=96, kernels=args.kernels))
-    log(f"built in {time.time() - t0:.0f}s")
-    res = {"kernels": args.kernels, "rows": []}
-    for b in map(int, args.batches.split(",")):
-        for overlap in (False, True):
-            engine.overlap = overlap
-            decode_rate(engine, b, 512, 8, seed=b)  # compiles this batch's programs
-            t0 = time.time()
-            row = {"overlap": overlap, **decode_rate(engine, b, 512, 128, seed=100 + b)}
-            row["wall_s"] = round(time.time() - t0, 1)
-            res["rows"].append(row)
-            log(json.dumps(row))
+                                     max_prefill_length=4096, num_pages=4096, num_slots=96, kernels=settings[0]))
+    log(f"built in {time.time() - t0:.0f}s on {jax.devices()[0].device_kind}")
+    res = {"device": jax.devices()[0].device_kind, "settings": settings, "rows": [], "breakdown": {},
+           "agreement": {}}
+    base_cfg, tokens = engine.executor.cfg, {}
+    for k, kernels in enumerate(settings):
+        engine.executor.cfg = dataclasses.replace(base_cfg, kernels=kernels)  # static under jit: new programs
+        for b in map(int, args.batches.split(",")):
+            for overlap in ((False, True) if k == 0 else (True,)):
+                engine.overlap = overlap
+                t0 = time.time()
+                decode_rate(engine, b, args.prompt_len, 8, seed=b)  # compiles this batch's programs
+                compile_s = time.time() - t0
+                t0 = time.time()
+                outs = {}
+                row = {"kernels": kernels, "overlap": overlap, **decode_rate(engine, b, args.prompt_len, args.new, 100 + b, outs)}
+                row["wall_s"], row["first_pass_s"] = round(time.time() - t0, 1), round(compile_s, 1)
+                if (k, b) in tokens:  # the baseline's overlapped run against its synchronous one
+                    res["agreement"][f"{kernels} b{b} overlap vs sync"] = agreement(tokens[(k, b)], outs)
+                tokens.setdefault((k, b), outs)
+                res["rows"].append(row)
+                log(json.dumps(row))
+                engine.scheduler.cache.flush()
+            if k > 0:
+                res["agreement"][f"{kernels} b{b}"] = agreement(tokens[(0, b)], tokens[(k, b)])
+                log(f"agreement {kernels} b{b}: {res['agreement'][f'{kernels} b{b}']}")
+            bd = kernel_breakdown(engine, b, args.prompt_len, seed=200 + b)
+            res["breakdown"][f"{kernels} b{b}"] = bd
+            log(f"{kernels} b={b} kernels: {json.dumps(bd)[:1200]}")
             engine.scheduler.cache.flush()
-        bd = kernel_breakdown(engine, b, 512, seed=200 + b)
-        res[f"kernels_b{b}"] = bd
-        log(f"b={b} kernels: {json.dumps(bd)[:1500]}")
-        engine.scheduler.cache.flush()
-        args.out.write_text(json.dumps(res, indent=1))
+            args.out.write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

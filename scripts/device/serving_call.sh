@@ -28,7 +28,7 @@ if [[ $parts == *,moe,* ]]; then
   echo "moe timing rc=$?"; tail -12 "$OUT/moe_time.log"
 fi
 if [[ $parts == *,decode,* ]]; then
-  timeout 330 python3 benchmarks/decode_profile.py --kernels "${KERNELS:-auto}" --out "$OUT/decode-${KERNELS:-auto}.json" \
+  timeout ${DECODE_TIMEOUT:-330} python3 benchmarks/decode_profile.py --kernels "${KERNELS:-auto}" --out "$OUT/decode.json" \
     > "$OUT/decode.log" 2>&1
   echo "decode rc=$?"; grep -v "^\s*$" "$OUT/decode.log" | tail -14 | cut -c1-600
 fi
