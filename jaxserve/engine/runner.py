@@ -217,7 +217,7 @@ def make_batch(rows: Sequence[RowSpec], buckets: Buckets) -> Batch:
         if len(rows) > B:
             raise ValueError(f"{len(rows)} rows exceed max_seqs {B}")
     snaps = [(i, n, dst) for i, r in enumerate(rows) for n, dst in r.snapshots]
-    S = _fit(len(snaps), buckets.snapshots, "snapshots")
+    S = _fit(len(snaps), buckets.snapshot_sizes(T, decode), "snapshots")
 
     writers = [r.slot for r in rows if r.slot] + [dst for _, _, dst in snaps]
     if len(set(writers)) != len(writers) or any(dst == 0 for _, _, dst in snaps):

@@ -16,10 +16,11 @@ Compiling (``StepCompiler``, ``compile_programs``). Every program a server can r
 ``Buckets.programs()``. They are compiled ahead of time (``runner.lower_step`` lowers each exactly
 as ``runner.step`` calls it, so the executables land in the cache that serving then hits) before
 the pools are allocated (so XLA's autotuning has the memory the pools will take), then
-``runner.warmup`` runs each once on the real pools: that executes the largest step for real
-before the port opens, and a backend compile during it would mean the ahead-of-time keys missed
-(counted, and logged). The probe's executable (compiled against the probe pools) is the one
-program compiled twice when the pools come from a budget; with explicit pool sizes it is reused.
+``runner.warmup`` runs them once on the real pools (all of them where a reserve was measured, so
+the largest steps run for real before the port opens; on a CPU the smallest of each kind): a step
+compile during it would mean the ahead-of-time keys missed (counted, and logged). The probe's
+executable (compiled against the probe pools) is the one program compiled twice when the pools
+come from a budget; with explicit pool sizes it is reused.
 
 Cache (``enable_compile_cache``). JAX's persistent compilation cache keeps executables on disk
 (default ``~/.cache/jaxserve/xla``; ``JAXSERVE_COMPILE_CACHE=DIR`` or ``off``), so a second start
