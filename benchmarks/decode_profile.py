@@ -125,9 +125,9 @@ def main() -> None:
     res = {"device": jax.devices()[0].device_kind, "settings": settings, "rows": [], "breakdown": {},
            "agreement": {}}
     base_cfg, tokens = engine.executor.cfg, {}
-    for k, kernels in enumerate(settings):
-        engine.executor.cfg = dataclasses.replace(base_cfg, kernels=kernels)  # static under jit: new programs
-        for b in map(int, args.batches.split(",")):
+    for b in map(int, args.batches.split(",")):  # batch outermost: a cut-short run still compares settings
+        for k, kernels in enumerate(settings):
+            engine.executor.cfg = dataclasses.replace(base_cfg, kernels=kernels)  # static under jit: new programs
             for overlap in ((False, True) if k == 0 else (True,)):
                 engine.overlap = overlap
                 t0 = time.time()
