@@ -212,6 +212,7 @@ class AsyncEngine:
         m.tree_snapshots.set(s.cache.num_snapshots)
         m.tree_pages.set(s.cache.num_tree_pages)
         m.preemptions.set(s.num_preemptions)
+        m.step_failures.set(self.engine.failed_steps)
         m.checksum_mismatches.set(self.engine.snapshot_checksum_mismatches)
 
 

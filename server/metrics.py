@@ -155,6 +155,8 @@ class Metrics:
         self.tree_snapshots = Gauge("prefix_cache_snapshots", "Linear-state snapshots held by the prefix tree.")
         self.tree_pages = Gauge("prefix_cache_pages", "KV pages held by the prefix tree.")
         self.preemptions = Gauge("num_preemptions", "Requests preempted since start (monotonic).")
+        self.step_failures = Gauge("step_failures", "Steps that failed on the device since start (monotonic); each "
+                                   "failed only the requests it carried (finish reason 'error').")
         self.checksum_mismatches = Gauge("snapshot_checksum_mismatches",
                                          "Snapshot checksum mismatches (--debug-snapshot-checksums); must stay 0.")
         self.step_compiles = Observed("step_compiles_total", "XLA compiles (or compile-cache loads) of the serving "

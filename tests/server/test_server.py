@@ -302,6 +302,7 @@ def test_failed_step_fails_its_request_and_the_server_keeps_serving(ctx, lose_po
         events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
     assert events[-1]["error"]["code"] == "step_failed"
     assert ctx.engine.failed_steps == before + 2
+    assert f"jaxserve_step_failures {before + 2}" in ctx.http.get("/metrics").text
     assert ctx.http.get("/health").status_code == 200
     out = ctx.client.completions.create(model=MODEL, prompt=ctx.prompts["hello"], **GREEDY)
     assert out.choices[0].text == ctx.ref["hello"].text
