@@ -25,19 +25,15 @@ from jaxserve.engine import runner, startup
 from jaxserve.engine.pools import MiB, minimal_pool_bytes, page_bytes, plan_pools, slot_bytes
 from jaxserve.generate import SamplingParams
 from tests.engine.test_pools import HYBRID
+from tests.engine.test_runner import KERNEL_CONFIG
 from weights import load_model
 from weights.random_checkpoint import write_random_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = {
-    "model_type": "qwen3_5_text", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96,
-    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
-    "layer_types": ["linear_attention", "full_attention"], "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 1,
-    "linear_num_value_heads": 2, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-    "max_position_embeddings": 1024, "eos_token_id": 511,
-}
+# The runner tests' two-layer qwen3_5, smaller still: start-up planning needs no kernel-sized heads.
+TINY = {**KERNEL_CONFIG, "head_dim": 32, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+        "rope_parameters": {**KERNEL_CONFIG["rope_parameters"], "partial_rotary_factor": 0.5},
+        "max_position_embeddings": 1024}
 
 
 @pytest.fixture(scope="module")
