@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import ml_dtypes
@@ -42,16 +44,29 @@ def _value(name: str, shape: tuple[int, ...], cfg: ModelConfig, rng: np.random.G
     return out
 
 
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 by truncation (the top 16 bits): plain integer ops, which release the
+    GIL (ml_dtypes' cast does not), and for random weights as good as rounding."""
+    return (x.view(np.uint32) >> 16).astype(np.uint16).view(ml_dtypes.bfloat16)
+
+
 def write_random_checkpoint(config: dict, out: str | Path, *, dtype: str = "bfloat16", seed: int = 0,
                             init_std: float = 0.02, donor: str | Path = DEFAULT_DONOR) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = ModelConfig.from_hf(config, source="config")
-    rng = np.random.default_rng(seed)
-    store = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}[dtype]
-    tensors = {}
-    for name, shape in hf_shapes(cfg).items():
-        tensors[name] = _value(name, shape, cfg, rng, init_std).astype(store)
+    shapes = list(hf_shapes(cfg).items())
+    # One generator per tensor, seeded by (seed, index): the values do not depend on the thread
+    # count, and numpy fills and casts release the GIL, so the threads draw in parallel.
+    seeds = np.random.SeedSequence(seed).spawn(len(shapes))
+
+    def one(i: int) -> np.ndarray:
+        name, shape = shapes[i]
+        v = _value(name, shape, cfg, np.random.default_rng(seeds[i]), init_std)
+        return _bf16(v) if dtype == "bfloat16" else v
+
+    with ThreadPoolExecutor(min(16, os.cpu_count() or 1)) as pool:
+        tensors = {name: t for (name, _), t in zip(shapes, pool.map(one, range(len(shapes))))}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps({**config, "torch_dtype": dtype}, indent=2))
     for f in TOKENIZER_FILES:
