@@ -45,9 +45,13 @@ which is what lets a long conversation's old per-turn snapshots age out before i
 Ties break deepest-first for KV, shallowest-first for snapshots (the shallow one turns into a
 tombstone and keeps its KV; the deep one is usually a leaf and would take its KV along).
 
+``eviction`` (an ``Eviction``; scheduling policies install one) replaces both LRU orders with keys
+of its own, computed from a read-only ``NodeInfo``; it decides only the order among evictable
+nodes, never what is evictable, so every invariant below holds under any eviction priority.
+
 ``max_snapshots_per_path`` bounds the snapshots on every root..leaf path below an insert: while
-a path holds more, its least recently used unlocked snapshot (ties: shallowest) other than the
-leaf's own is turned into a tombstone. Leaves are visited in key order; locked snapshots are never
+a path holds more, its first unlocked snapshot in eviction order (LRU, ties: shallowest) other
+than the leaf's own is turned into a tombstone. Leaves are visited in key order; locked snapshots are never
 evicted, so the bound is best effort while locks pin extras.
 
 Everything here is host bookkeeping: no JAX, no array contents, only ids.
@@ -59,6 +63,7 @@ import heapq
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
+from typing import Any, NamedTuple, Protocol
 
 from .allocator import PageAllocator, SlotAllocator
 
@@ -103,6 +108,29 @@ class Match:
     snapshot_slot: int | None
 
 
+class NodeInfo(NamedTuple):
+    """What an eviction priority may read of a candidate node (a copy; the tree stays private).
+    Times are the cache's logical clock (one tick per ``match`` / ``insert``), ``clock`` is now."""
+
+    start: int
+    end: int
+    last_access: int
+    snap_access: int
+    clock: int
+    num_children: int
+
+
+class Eviction(Protocol):
+    """Eviction priority: among evictable nodes the smallest key goes first (keys must compare with
+    each other; ties break by node age). ``kv_key`` ranks unlocked leaves for ``evict_kv``;
+    ``snapshot_key`` ranks unlocked snapshots for ``evict_snapshots`` and the per-path bound, i.e.
+    which snapshot slots are kept when slots run short."""
+
+    def kv_key(self, node: NodeInfo) -> Any: ...
+
+    def snapshot_key(self, node: NodeInfo) -> Any: ...
+
+
 @dataclass
 class CacheStats:
     """Monotonic counters for metrics. Sizes (nodes, pages, snapshots) are cache properties."""
@@ -145,6 +173,8 @@ class HybridRadixCache:
         self._clock = 0
         self._tree_pages: set[int] = set()
         self._tree_slots: set[int] = set()
+        self._snapshot_nodes: dict[int, Node] = {}  # slot -> its node (eviction candidates)
+        self.eviction: Eviction | None = None    # None: the LRU orders of the module docstring
 
     # ------------------------------------------------------------------ sizes and metrics
 
@@ -207,6 +237,14 @@ class HybridRadixCache:
         (``peek(ids[:b + 1]) == b``) without making that snapshot look recently used."""
         ids = tuple(cache_ids)
         return self._usable(*self._walk(ids, self._match_limit(len(ids))))[2]
+
+    def peek_path(self, cache_ids: Sequence[int]) -> tuple[int, ...]:
+        """Ids of the nodes the ids run through (whole pages, the last token excluded as in
+        ``match``; a partly matched node last), root excluded; changes nothing. Requests sharing a
+        cached prefix share a leading run of ids; ids are stable until the tree changes shape."""
+        ids = tuple(cache_ids)
+        path, partial = self._walk(ids, self._match_limit(len(ids)))
+        return tuple(n.uid for n in path) + ((partial[0].uid,) if partial else ())
 
     def _match_limit(self, n: int) -> int:
         """Tokens a hit may cover: never the last one, and only whole pages."""
@@ -401,6 +439,7 @@ class HybridRadixCache:
         if node.snapshot is None:
             node.snapshot = slot
             self._tree_slots.add(slot)
+            self._snapshot_nodes[slot] = node
             attached.append(node)
             self.stats.snapshots_adopted += 1
         else:
@@ -464,7 +503,9 @@ class HybridRadixCache:
         tombstone (keeps KV and children); a leaf goes whole with its KV (no tombstone leaf can be
         exposed above it: canonical form). Returns the slots freed."""
         count = 0
-        heap = [self._snap_order(n) for n in self._nodes() if self._snap_evictable(n)]
+        heap = [self._snap_order(n) for n in self._snapshot_nodes.values() if self._snap_evictable(n)]
+        if num == 1 and heap:  # the common case (one slot for the next write): no heap needed
+            heap = [min(heap)]
         heapq.heapify(heap)
         while count < num and heap:
             node = heapq.heappop(heap)[-1]
@@ -505,13 +546,18 @@ class HybridRadixCache:
     def _snap_evictable(self, node: Node) -> bool:
         return node.parent is not None and node.snapshot is not None and node.snap_lock == 0
 
-    @staticmethod
-    def _kv_order(node: Node):
-        return (node.last_access, -node.end, node.uid, node)
+    def _kv_order(self, node: Node):
+        if self.eviction is None:
+            return (node.last_access, -node.end, node.uid, node)
+        return (self.eviction.kv_key(self._info(node)), node.uid, node)
 
-    @staticmethod
-    def _snap_order(node: Node):
-        return (node.snap_access, node.end, node.uid, node)
+    def _snap_order(self, node: Node):
+        if self.eviction is None:
+            return (node.snap_access, node.end, node.uid, node)
+        return (self.eviction.snapshot_key(self._info(node)), node.uid, node)
+
+    def _info(self, node: Node) -> NodeInfo:
+        return NodeInfo(node.start, node.end, node.last_access, node.snap_access, self._clock, len(node.children))
 
     # ------------------------------------------------------------------ removal and shape
 
@@ -538,6 +584,7 @@ class HybridRadixCache:
     def _drop_snapshot(self, node: Node) -> None:
         self.slots.free(node.snapshot)
         self._tree_slots.discard(node.snapshot)
+        self._snapshot_nodes.pop(node.snapshot, None)
         node.snapshot = None
 
     def _normalize(self, node: Node) -> None:
@@ -627,5 +674,7 @@ class HybridRadixCache:
         assert count == self.num_nodes, f"num_nodes {self.num_nodes} but {count} nodes in the tree"
         assert seen_pages == self._tree_pages, f"page index off by {seen_pages ^ self._tree_pages}"
         assert seen_slots == self._tree_slots, f"slot index off by {seen_slots ^ self._tree_slots}"
+        assert all(self._snapshot_nodes.get(s) is n for n in self._nodes() if (s := n.snapshot) is not None) \
+            and len(self._snapshot_nodes) == len(seen_slots), "snapshot-node index differs from the walk"
         s = self.stats
         assert s.hits <= s.queries and s.hit_tokens <= s.query_tokens, "hit counters exceed queries"

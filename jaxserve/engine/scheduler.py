@@ -12,10 +12,13 @@ safe because every pool write and read happens in a step and steps run in dispat
 slot freed while step N is in flight can only be reused by a step after N.
 
 Every step mixes decodes (1-token rows) and prefill chunks (continuous batching, chunked prefill)
-under a token budget of ``max_prefill_tokens``. Running requests go first (decodes, then
+under a token budget (at most ``max_prefill_tokens``). Running requests go first (decodes, then
 unfinished prefills, in arrival order), then the policy admits waiting requests while budget, rows,
 pages and slots allow. When a running request cannot get a page, the tree's unlocked KV is evicted
-first, then the newest running request is preempted (released, requeued, recomputed later).
+first, then a running request is preempted (released, requeued, recomputed later). The policy
+(policy.py) makes the choices: admission order, the step's token budget, each row's chunk, the
+preemption victim (by default the newest) and, through the cache, the eviction order; the
+scheduler checks each answer and keeps the bookkeeping.
 
 Cache protocol (hybrid models), the invariants of DESIGN.md made concrete:
 - admission: ``match`` gives the deepest cached prefix that has a live snapshot (invariant 4);
@@ -39,7 +42,7 @@ from typing import Callable
 
 from jaxserve.cache.allocator import PageAllocator, SlotAllocator
 from jaxserve.cache.radix import HybridRadixCache
-from jaxserve.engine.policy import FCFS, Policy
+from jaxserve.engine.policy import FCFS, Policy, SchedulerView
 from jaxserve.engine.request import Request, Status
 
 
@@ -84,7 +87,8 @@ class Scheduler:
     def __init__(self, *, pages: PageAllocator, slots: SlotAllocator | None, cache: HybridRadixCache,
                  page_size: int, max_prefill_tokens: int, max_running: int, max_pages_per_seq: int,
                  eos_token_ids: tuple[int, ...] = (), policy: Policy | None = None,
-                 barrier: Callable[[], None] = lambda: None, snapshot_interval: int = 64):
+                 barrier: Callable[[], None] = lambda: None, snapshot_interval: int = 64,
+                 clock: Callable[[], float] = time.monotonic):
         self.pages, self.slots, self.cache = pages, slots, cache
         self.hybrid = slots is not None
         self.page_size = page_size
@@ -93,6 +97,10 @@ class Scheduler:
         self.max_pages_per_seq = max_pages_per_seq
         self.eos_token_ids = frozenset(eos_token_ids)
         self.policy = policy or FCFS()
+        self.clock = clock  # what policies read as "now" (the simulator passes its virtual clock)
+        self.view = SchedulerView(self)
+        if self.policy.eviction is not None:
+            cache.eviction = self.policy.eviction
         self.barrier = barrier
         self.interval = snapshot_interval
         self.waiting: list[Request] = []
@@ -137,40 +145,89 @@ class Scheduler:
     # ------------------------------------------------------------------ scheduling
 
     def schedule(self) -> StepPlan | None:
-        budget = self.max_prefill_tokens
+        policy, view = self.policy, self.view
+        if policy.admission_preempts and self.waiting:
+            self._make_room()
+        budget = policy.token_budget(view)
+        if not isinstance(budget, int) or not 1 <= budget <= self.max_prefill_tokens:
+            raise ValueError(f"policy {policy.name!r}: token_budget {budget!r} is not in 1..{self.max_prefill_tokens}")
         rows: list[Row] = []
         for req in sorted(self.running, key=lambda r: (r.num_pending > 1, r.arrival)):
             if budget == 0:
                 break
             if req not in self.running:  # preempted while making room for an earlier row
                 continue
-            n = min(req.num_pending, budget)
-            if n == 0:  # its last token is sampled by the step in flight
+            n = min(req.num_pending, self._chunk(req, budget))
+            if n == 0:  # its last token is sampled by the step in flight, or the policy holds it back
                 continue
             if not self._reserve_pages(req, n, protect=rows):
                 continue
             rows.append(self._row(req, n, len(rows)))
             budget -= n
-        prefix_len = lambda r: self.cache.peek(r.all_cache_ids)  # noqa: E731 - no LRU/metric side effects
-        for req in self.policy.order(list(self.waiting), prefix_len):
+        for req in policy.order(list(self.waiting), view):
             if budget == 0 or len(self.running) >= self.max_running:
                 break
-            n = self._admit(req, budget)
+            if req.status is not Status.WAITING:
+                raise ValueError(f"policy {policy.name!r}: order returned {req.rid}, which is not waiting")
+            chunk = self._chunk(req, budget)
+            if chunk == 0:
+                continue
+            n = self._admit(req, chunk)
             if n == 0:
                 break
             rows.append(self._row(req, n, len(rows)))
             budget -= n
-        return StepPlan(rows) if rows else None
+        if not rows:
+            return None
+        plan = StepPlan(rows)
+        policy.observe(plan)
+        return plan
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        n = self.policy.chunk_size(req, budget, self.view)
+        if not isinstance(n, int) or not 0 <= n <= budget:
+            raise ValueError(f"policy {self.policy.name!r}: chunk_size {n!r} for {req.rid} is not in 0..{budget}")
+        return n
+
+    def _victim(self, req: Request, candidates: list[Request], admitting: bool) -> Request | None:
+        victim = self.policy.victim(req, tuple(candidates), self.view, admitting) if candidates else None
+        if victim is not None and not any(victim is c for c in candidates):
+            raise ValueError(f"policy {self.policy.name!r}: victim {getattr(victim, 'rid', victim)!r} "
+                             f"is not one of the candidates")
+        return victim
+
+    def _make_room(self) -> None:
+        """Preemption for admission (``Policy.admission_preempts``): while the waiting request the
+        policy ranks first does not fit, preempt whom the policy names for it. Runs before any row
+        is planned, so a victim never has a row in this step."""
+        ranked = self.policy.order(list(self.waiting), self.view)
+        if not ranked:
+            return
+        head = ranked[0]
+        while not self._fits(head):
+            victim = self._victim(head, list(self.running), admitting=True)
+            if victim is None:
+                return
+            self.preempt(victim)
+
+    def _fits(self, req: Request) -> bool:
+        """A running place and enough free or evictable pages for ``req``'s first full chunk."""
+        if len(self.running) >= self.max_running:
+            return False
+        ids = req.all_cache_ids
+        cached = self.cache.peek(ids)
+        need = -(-min(len(ids), cached + self.max_prefill_tokens) // self.page_size) - cached // self.page_size
+        return need <= self.pages.num_free or need <= self.pages.num_free + self.cache.evictable_pages()
 
     def _row(self, req: Request, n: int, index: int) -> Row:
         """Plan ``n`` tokens of ``req`` as row ``index`` of the step, and account for them as fed."""
         start = req.num_computed
-        tokens = req.all_ids[start : start + n]
+        tokens = req.ids_between(start, start + n)
         feed = -1
         if len(tokens) < n:  # the last token is still being sampled by the step in flight
             assert len(tokens) == n - 1 and req.num_inflight == 1 and req.inflight_row >= 0, req
             tokens, feed = tokens + [0], req.inflight_row
-        samples = start + n == len(req.all_ids) + req.num_inflight
+        samples = start + n == req.num_ids + req.num_inflight
         row = Row(req, start, tokens, restore_src=req.restore_src, samples=samples, feed=feed,
                   sample_idx=len(req.output_ids) + req.num_inflight, epoch=req.epoch)
         req.num_computed, req.restore_src = start + n, 0  # the restore happens in this row's step
@@ -257,10 +314,11 @@ class Scheduler:
             if not preempt:
                 return False
             planned = {id(r.req) for r in protect or ()}
-            victims = [r for r in self.running if r is not req and id(r) not in planned]
-            if not victims:
+            victim = self._victim(req, [r for r in self.running if r is not req and id(r) not in planned],
+                                  admitting=False)
+            if victim is None:
                 return False
-            self.preempt(max(victims, key=lambda r: r.arrival))
+            self.preempt(victim)
         return True
 
     def preempt(self, req: Request) -> None:
