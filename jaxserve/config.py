@@ -1,8 +1,9 @@
 """Model configuration read from a Hugging Face ``config.json``.
 
 One frozen dataclass covers every supported family; each field says which HF key it comes from.
-Multimodal checkpoints (``Qwen3_5ForConditionalGeneration``) nest the language model's settings
-under ``text_config``; those are read from there and the vision tower is noted, not loaded.
+Multimodal checkpoints (``Qwen3_5ForConditionalGeneration``, ``Qwen3_5MoeForConditionalGeneration``,
+``Qwen3VLForConditionalGeneration``) nest the language model's settings under ``text_config`` and the
+vision tower's under ``vision_config`` (``VisionConfig``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "kimi_linear")
 
 # Text-config model types map onto the family they belong to.
-_TEXT_MODEL_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+_TEXT_MODEL_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_vl_text": "qwen3"}
 
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
@@ -24,6 +25,63 @@ SLIDING_ATTENTION = "sliding_attention"
 
 class ConfigError(ValueError):
     """A config.json that jaxserve cannot serve, with the file and key named."""
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """The Qwen3.5 / Qwen3-VL vision tower (``vision_config``) and the special tokens of its images.
+
+    A patch is ``temporal_patch_size`` frames of ``patch_size``² pixels (a still image repeats its one
+    frame); ``spatial_merge_size``² neighbouring patches merge into one soft token of the text model's
+    width. ``deepstack_layers`` (Qwen3-VL): after these tower blocks an extra merger's output is added
+    to the text model's hidden state at the image tokens, after text layer 0, 1, ... in that order."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    in_channels: int
+    out_hidden_size: int
+    num_position_embeddings: int
+    rope_theta: float
+    hidden_act: str
+    image_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    deepstack_layers: tuple[int, ...] = ()
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per flattened patch: channels x frames x pixels."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any], source: str) -> "VisionConfig":
+        v = raw["vision_config"]
+        try:
+            act = v.get("hidden_act", "gelu_pytorch_tanh")
+            if act not in ("gelu_pytorch_tanh", "gelu"):
+                raise ConfigError(f"{source}: vision_config.hidden_act {act!r} is not supported")
+            return cls(
+                depth=v["depth"], hidden_size=v["hidden_size"], intermediate_size=v["intermediate_size"],
+                num_heads=v["num_heads"], patch_size=v.get("patch_size", 16),
+                temporal_patch_size=v.get("temporal_patch_size", 2), spatial_merge_size=v.get("spatial_merge_size", 2),
+                in_channels=v.get("in_channels", 3), out_hidden_size=v["out_hidden_size"],
+                num_position_embeddings=v["num_position_embeddings"],
+                rope_theta=float((v.get("rope_parameters") or {}).get("rope_theta", 10000.0)), hidden_act=act,
+                image_token_id=raw["image_token_id"], vision_start_token_id=raw["vision_start_token_id"],
+                vision_end_token_id=raw["vision_end_token_id"],
+                deepstack_layers=tuple(v.get("deepstack_visual_indexes") or ()),
+            )
+        except KeyError as e:
+            raise ConfigError(f"{source}: missing required key {e.args[0]!r} for the vision tower") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +148,12 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     max_position_embeddings: int = 32768
     has_vision_tower: bool = False
+    vision: VisionConfig | None = None
+    # Multimodal rotary (t, h, w): frequency i of the rotary half rotates by the h position when
+    # i % 3 == 1 and i < 3 * mrope_section[1], by w when i % 3 == 2 and i < 3 * mrope_section[2], else
+    # by t (the interleaved layout of Qwen3-VL / Qwen3.5). Text tokens have t = h = w, where this is
+    # plain RoPE. Empty: no multimodal rotary.
+    mrope_section: tuple[int, ...] = ()
 
     # Execution, not checkpoint: kernels or jnp references for the mixer backends (static under
     # jit): "auto" | "jnp" | "pallas" | "pallas-interpret"; jaxserve/models/backends.py says what each does.
@@ -236,6 +300,9 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             max_position_embeddings=get("max_position_embeddings", 32768),
             has_vision_tower="vision_config" in raw,
+            vision=VisionConfig.from_hf(raw, source) if "vision_config" in raw else None,
+            mrope_section=(tuple(rope.get("mrope_section") or ((24, 20, 20) if family == "qwen3" else (11, 11, 10)))
+                           if "vision_config" in raw else ()),  # transformers' defaults when the config has none
         )
         if family == "kimi_linear":
             fields.update(_kimi_linear_fields(get, need, source, num_layers))

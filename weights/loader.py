@@ -7,9 +7,10 @@ What it accepts: the folder ``save_pretrained`` writes, with ``model.safetensors
 ``model.safetensors.index.json`` (transformers' own preference order: the single file first).
 Tensor names are mapped to the canonical names of ``jaxserve.models.params.hf_shapes``:
 - the multimodal wrapper's ``model.language_model.`` becomes ``model.``;
-- vision-tower (``model.visual.*``, ``visual.*``) and multi-token-prediction (``mtp.*``) tensors
-  are skipped, announced in ONE line on stderr, as are rotary ``inv_freq`` buffers and an
-  ``lm_head.weight`` that a tied config ignores (transformers ignores it too);
+- the vision tower (``model.visual.*``; older checkpoints' ``visual.*``) is loaded when config.json has
+  a ``vision_config`` (``jaxserve.models.vision``); other vision tensors and multi-token-prediction
+  (``mtp.*``) tensors are skipped, announced in ONE line on stderr, as are rotary ``inv_freq``
+  buffers and an ``lm_head.weight`` that a tied config ignores (transformers ignores it too);
 - per-expert MoE tensors ``mlp.experts.{j}.{gate,up,down}_proj.weight`` (what transformers v5
   ``save_pretrained`` writes for qwen3_5_moe and qwen3_next; it fuses them only in memory) are
   stacked into the fused ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows, then up rows) and
@@ -200,7 +201,7 @@ _KIMI_W = {"1": "gate_proj", "3": "up_proj", "2": "down_proj"}
 
 def _canonical(name: str) -> str:
     for old, new in (("model.language_model.", "model."), ("language_model.model.", "model."),
-                     ("language_model.lm_head.", "lm_head.")):
+                     ("language_model.lm_head.", "lm_head."), ("visual.", "model.visual.")):
         if name.startswith(old):
             name = new + name[len(old):]
             break
@@ -211,7 +212,7 @@ def _canonical(name: str) -> str:
 
 
 _SKIP_NOTES = {
-    "vision": "vision-tower tensors (multimodal input is not supported yet)",
+    "vision": "vision-tower tensors (config.json has no vision_config for them)",
     "mtp": "multi-token-prediction tensors (speculative decoding is not supported yet)",
     "buffer": "rotary inv_freq buffers (recomputed from the config)",
     "tied": "lm_head.weight (the config ties the output layer to embed_tokens, as transformers does)",
@@ -264,7 +265,7 @@ def _plan(folder: Path, expected: Mapping[str, tuple[int, ...]], tie_word_embedd
     unexpected: list[_Entry] = []
     for raw, entry in stored.items():
         kind = _skip_kind(raw)
-        if kind:
+        if kind and not (kind == "vision" and _canonical(raw) in expected):
             skipped[kind] += 1
             continue
         name = _canonical(raw)

@@ -46,6 +46,9 @@ VARIANTS: dict[str, dict[str, tuple[dict, bool]]] = {
         "moe_tied": ({"tie_word_embeddings": True, "num_experts": 4, "num_experts_per_tok": 1, "moe_intermediate_size": 48,
                       "shared_expert_intermediate_size": 32, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 16,
                       "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}, False),
+        "vl": ({"tie_word_embeddings": False, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                "shared_expert_intermediate_size": 48, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5, "mrope_section": [4, 2, 2]}}, True),
     },
     "qwen3_next": {
         "moe": ({"tie_word_embeddings": False, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
@@ -63,7 +66,19 @@ VARIANTS: dict[str, dict[str, tuple[dict, bool]]] = {
         "untied": ({"tie_word_embeddings": False, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16,
                     "attention_bias": True, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}, False),
     },
+    # Qwen3-VL: a plain-attention Qwen3 text model behind the same kind of tower, with deepstack.
+    "qwen3_vl": {
+        "vl": ({"tie_word_embeddings": False, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                "mrope_section": [6, 5, 5], "mrope_interleaved": True}}, True),
+    },
 }
+
+# The vision tower of every multimodal variant (patch 8, merge 2: one soft token per 16x16 pixels).
+VISION_BASE = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, spatial_merge_size=2,
+                   temporal_patch_size=2, num_position_embeddings=16, initializer_range=INIT_RANGE)
+# Special tokens of the multimodal variants, just under the tiny tokenizer's own specials.
+IMAGE_TOKENS = dict(image_token_id=VOCAB - 4, video_token_id=VOCAB - 5, vision_start_token_id=VOCAB - 6,
+                    vision_end_token_id=VOCAB - 7)
 
 # Kimi-Linear: KDA linear layers (3 of 4), MLA full attention, sigmoid-routed grouped experts with
 # a selection bias (drawn at random below: transformers initialises it to zero, which would leave
@@ -101,6 +116,12 @@ def _build(family: str, variant: str, seed: int):
     if family == "qwen3":
         cfg = tf.Qwen3Config(**{**QWEN3_BASE, **overrides})
         return tf.Qwen3ForCausalLM(cfg)
+    if family == "qwen3_vl":
+        text = {**QWEN3_BASE, **overrides}
+        tie = text.pop("tie_word_embeddings")
+        vision = {**VISION_BASE, "out_hidden_size": text["hidden_size"], "deepstack_visual_indexes": [0, 1]}
+        cfg = tf.Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie, **IMAGE_TOKENS)
+        return tf.Qwen3VLForConditionalGeneration(cfg)
     if family == "kimi_linear":
         model = tf.KimiLinearForCausalLM(tf.KimiLinearConfig(**{**KIMI_BASE, **overrides}))
         with torch.no_grad():
@@ -111,16 +132,17 @@ def _build(family: str, variant: str, seed: int):
     text_kwargs = {**HYBRID_BASE, **overrides}
     if family == "qwen3_next":
         return tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(**text_kwargs))
+    if multimodal:
+        tie = text_kwargs.pop("tie_word_embeddings")
+        vision = {**VISION_BASE, "out_hidden_size": text_kwargs["hidden_size"]}
+        if family == "qwen3_5":
+            vision["depth"] = 1  # the variant the text-only differential tests have always used
+        config_cls, model_cls = ((tf.Qwen3_5MoeConfig, tf.Qwen3_5MoeForConditionalGeneration) if family == "qwen3_5_moe"
+                                 else (tf.Qwen3_5Config, tf.Qwen3_5ForConditionalGeneration))
+        cfg = config_cls(text_config=text_kwargs, vision_config=vision, tie_word_embeddings=tie, **IMAGE_TOKENS)
+        return model_cls(cfg)
     if family == "qwen3_5_moe":
         return tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**text_kwargs))
-    if multimodal:
-        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8,
-                      out_hidden_size=text_kwargs["hidden_size"], num_position_embeddings=16)
-        tie = text_kwargs.pop("tie_word_embeddings")
-        cfg = tf.Qwen3_5Config(text_config=text_kwargs, vision_config=vision, tie_word_embeddings=tie,
-                               image_token_id=VOCAB - 4, video_token_id=VOCAB - 5,
-                               vision_start_token_id=VOCAB - 6, vision_end_token_id=VOCAB - 7)
-        return tf.Qwen3_5ForConditionalGeneration(cfg)
     return tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**text_kwargs))
 
 

@@ -45,8 +45,9 @@ import numpy as np
 from jax import lax
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import decoder
+from jaxserve.models import decoder, vision
 from jaxserve.models.decoder import Pools
+from jaxserve.multimodal.prompt import window_rows
 from jaxserve.models.layers import KEY_BLOCK
 from jaxserve.sampler import sample
 
@@ -72,6 +73,8 @@ class Batch(NamedTuple):
     snap_seq: np.ndarray     # [S] int32 row
     snap_len: np.ndarray     # [S] int32 tokens of that row consumed in this step
     snap_dst: np.ndarray     # [S] int32 destination slot; padding 0
+    image_row: np.ndarray    # [T] int32 row of the step's image table for a placeholder token; -1 = text
+    rope_pos: np.ndarray     # [T, 3] int32 multimodal rotary (t, h, w); read only by models with a tower
 
 
 class StepOutput(NamedTuple):
@@ -185,6 +188,11 @@ class RowSpec:
     seed: int = 0
     sample_idx: int = 0
     feed: int = -1  # >= 0: the last token is the previous step's sampled token of row ``feed``
+    # A prompt with images: its tokens' rotary (t, h, w) [n, 3] (None: the position on every axis),
+    # and the offsets among ``tokens`` of the placeholders this window scatters, in image-row order
+    # (they take the step's image table rows in row order: the windowed scatter).
+    rope_pos: np.ndarray | None = None
+    image_tokens: Sequence[int] = ()
 
 
 def padding_batch(T: int, B: int, S: int, width: int, decode: bool) -> Batch:
@@ -197,7 +205,7 @@ def padding_batch(T: int, B: int, S: int, width: int, decode: bool) -> Batch:
         page_table=np.zeros((B, width), np.int32), temperature=np.zeros(B, np.float32),
         top_k=np.zeros(B, np.int32), top_p=np.ones(B, np.float32), seed=np.zeros(B, np.uint32),
         sample_idx=np.zeros(B, np.int32), snap_seq=np.zeros(S, np.int32), snap_len=np.zeros(S, np.int32),
-        snap_dst=np.zeros(S, np.int32))
+        snap_dst=np.zeros(S, np.int32), image_row=np.full(T, -1, np.int32), rope_pos=np.zeros((T, 3), np.int32))
 
 
 def make_batch(rows: Sequence[RowSpec], buckets: Buckets) -> Batch:
@@ -227,7 +235,7 @@ def make_batch(rows: Sequence[RowSpec], buckets: Buckets) -> Batch:
         raise ValueError("a restore source is written in the same step")
 
     b = padding_batch(T, B, S, width, decode)
-    t = 0
+    t = image = 0
     for i, r in enumerate(rows):
         n, end = len(r.tokens), r.start + len(r.tokens)
         if n < 1:
@@ -239,6 +247,9 @@ def make_batch(rows: Sequence[RowSpec], buckets: Buckets) -> Batch:
         if r.feed >= 0:
             b.tokens[t + n - 1], b.feed[t + n - 1] = 0, r.feed
         b.positions[t : t + n] = np.arange(r.start, end)
+        b.rope_pos[t : t + n] = np.arange(r.start, end)[:, None] if r.rope_pos is None else r.rope_pos
+        for off in r.image_tokens:
+            b.image_row[t + off], image = image, image + 1
         t += n
         b.cu_seqlens[i + 1] = t
         b.context_len[i], b.slot[i], b.restore_src[i] = r.start, r.slot, r.restore_src
@@ -266,12 +277,13 @@ def is_decode(batch: Batch) -> bool:
 
 @partial(jax.jit, static_argnames=("cfg", "decode", "return_logits"), donate_argnames=("pools", "feed_tokens"))
 def _step(params, cfg: ModelConfig, pools: Pools, batch: Batch, feed_tokens: jax.Array, decode: bool,
-          return_logits: bool):
+          return_logits: bool, image_table=None):
     tokens_in = jnp.where(batch.feed >= 0, feed_tokens[jnp.maximum(batch.feed, 0)], batch.tokens)
     read_slot = jnp.where(batch.restore_src != 0, batch.restore_src, batch.slot)
     r = decoder.make_ragged(batch.positions, batch.cu_seqlens, batch.context_len, batch.page_table, read_slot,
                             batch.slot, batch.snap_seq, batch.snap_len, batch.snap_dst)
-    logits, pools = decoder.forward_ragged(params, cfg, tokens_in, r, pools, decode=decode)
+    images = None if image_table is None else decoder.Images(batch.image_row, *image_table, batch.rope_pos)
+    logits, pools = decoder.forward_ragged(params, cfg, tokens_in, r, pools, decode=decode, images=images)
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(batch.seed, batch.sample_idx)
     tokens, logprobs = sample(logits, keys, batch.temperature, batch.top_k, batch.top_p)
     feed_out = lax.dynamic_update_slice(feed_tokens, tokens[: feed_tokens.shape[0]], (0,))
@@ -279,7 +291,7 @@ def _step(params, cfg: ModelConfig, pools: Pools, batch: Batch, feed_tokens: jax
 
 
 def step(params, cfg: ModelConfig, pools: Pools, batch: Batch, *, feed_tokens: jax.Array | None = None,
-         return_logits: bool = False) -> tuple[StepOutput, Pools]:
+         return_logits: bool = False, image_table=None) -> tuple[StepOutput, Pools]:
     """Run one step. ``pools`` and ``feed_tokens`` are donated: use the returned ones, never the
     arguments again. Dispatch is asynchronous; reading ``StepOutput`` (or ``block_until_ready``) is
     the barrier.
@@ -290,7 +302,18 @@ def step(params, cfg: ModelConfig, pools: Pools, batch: Batch, *, feed_tokens: j
     the executor keeps it fixed (``feed_buffer``); None means no feeds (a fresh buffer of B)."""
     if feed_tokens is None:
         feed_tokens = feed_buffer(batch.cu_seqlens.shape[0] - 1)
-    return _step(params, cfg, pools, batch, feed_tokens, is_decode(batch), return_logits)
+    if cfg.vision is not None and image_table is None:
+        image_table = empty_image_table(cfg, params, batch.tokens.shape[0])
+    return _step(params, cfg, pools, batch, feed_tokens, is_decode(batch), return_logits, image_table)
+
+
+def empty_image_table(cfg: ModelConfig, params, T: int):
+    """The image table of a step that scatters no image: (embeds [T, H], deepstack [k, T, H]) zeros.
+    A model with a tower always gets a table of T rows (a step never scatters more rows than it
+    has tokens), so images add no compile dimension."""
+    dtype = params["embed"].dtype
+    return (jnp.zeros((T, cfg.hidden_size), dtype),
+            jnp.zeros((len(cfg.vision.deepstack_layers), T, cfg.hidden_size), dtype))
 
 
 def feed_buffer(size: int) -> jax.Array:
@@ -336,14 +359,16 @@ def lower_step(params, cfg: ModelConfig, pools: Pools, buckets: Buckets, program
     batch = padding_batch(T, B, S, buckets.pages_per_seq, decode)
     assert is_decode(batch) == decode, program
     feed = jax.eval_shape(lambda: feed_buffer(buckets.seqs[-1]))
-    return _step.lower(_abstract(params), cfg, _abstract(pools), _abstract(batch), feed, decode, False)
+    table = None if cfg.vision is None else jax.eval_shape(lambda: empty_image_table(cfg, params, T))
+    return _step.lower(_abstract(params), cfg, _abstract(pools), _abstract(batch), feed, decode, False, table)
 
 class DeviceExecutor:
     """The engine's ``Executor`` protocol (jaxserve/engine/engine.py) over real pools.
 
     Duck-typed on the scheduler's plan (``plan.rows``: ``req``, ``start``, ``tokens``,
     ``restore_src``, ``snapshots``; ``req.pages``, ``req.slot``, ``req.sampling``,
-    ``req.output_ids``) so the runner does not import the scheduler (imports point down)."""
+    ``req.output_ids``, optionally ``req.images``) so the runner does not import the scheduler
+    (imports point down)."""
 
     def __init__(self, params, cfg: ModelConfig, pools: Pools, buckets: Buckets):
         self.params, self.cfg, self.pools, self.buckets = params, cfg, pools, buckets
@@ -352,17 +377,39 @@ class DeviceExecutor:
 
     def dispatch(self, plan) -> tuple[StepOutput, int]:
         """Pack the plan and launch its step; returns at once (the device runs it later)."""
-        rows = []
+        rows, pieces = [], []
         for row in plan.rows:
             req, sp = row.req, row.req.sampling
+            rope, image_tokens, images = None, (), getattr(req, "images", None)
+            if images is not None:  # the windowed scatter: only this window's placeholders
+                end = row.start + len(row.tokens)
+                rope = images.rope_positions(row.start, end)
+                a, b = window_rows(images.placeholders, row.start, end)
+                image_tokens = images.placeholders[a:b] - row.start
+                if b > a:
+                    pieces.append(self._image_rows(images, a, b))
             rows.append(RowSpec(tokens=row.tokens, start=row.start, pages=req.pages, slot=req.slot or 0,
                                 restore_src=row.restore_src, snapshots=row.snapshots, temperature=sp.temperature,
                                 top_k=sp.top_k, top_p=sp.top_p, seed=sp.seed, sample_idx=row.sample_idx,
-                                feed=row.feed))
-        out, self.pools = step(self.params, self.cfg, self.pools, make_batch(rows, self.buckets),
-                               feed_tokens=self._feed)
+                                feed=row.feed, rope_pos=rope, image_tokens=image_tokens))
+        batch = make_batch(rows, self.buckets)
+        table = None
+        if pieces:
+            T, (_, H) = batch.tokens.shape[0], pieces[0][0].shape
+            pad = T - sum(e.shape[0] for e, _ in pieces)
+            table = (jnp.concatenate([e for e, _ in pieces] + [jnp.zeros((pad, H), pieces[0][0].dtype)]),
+                     jnp.concatenate([d for _, d in pieces] + [jnp.zeros((pieces[0][1].shape[0], pad, H),
+                                                                         pieces[0][0].dtype)], axis=1))
+        out, self.pools = step(self.params, self.cfg, self.pools, batch, feed_tokens=self._feed, image_table=table)
         self._feed = out.feed_tokens
         return out, len(rows)
+
+    def _image_rows(self, prompt, a: int, b: int):
+        """Rows [a, b) of a prompt's soft tokens and deepstack features; the tower runs once per
+        prompt, the first time a window needs it, and its output stays with the request."""
+        if prompt.embeds is None:
+            prompt.embeds, prompt.deepstack = vision.encode_images(self.params["vision"], self.cfg.vision, prompt.images)
+        return prompt.embeds[a:b], prompt.deepstack[:, a:b]
 
     def fetch(self, handle: tuple[StepOutput, int]) -> tuple[list[int], list[float]]:
         out, n = handle

@@ -46,6 +46,21 @@ class Pools(NamedTuple):
     rec: jax.Array
 
 
+class Images(NamedTuple):
+    """The image rows one forward scatters into its tokens (issue 25's windowed scatter).
+
+    ``row[t]``: token t's row in ``embeds`` (-1: a text token, which keeps its embedding); the host
+    picks the rows of the placeholders inside this forward's window, so a prompt's image embeddings
+    reach the model chunk by chunk. ``embeds`` [N >= 1, H] (padding rows are never named);
+    ``deepstack`` [k, N, H] is added at the image tokens after text layers 0..k-1 (Qwen3-VL; k may be
+    0). ``rope_pos`` [T, 3]: every token's multimodal rotary position (t, h, w)."""
+
+    row: jax.Array
+    embeds: jax.Array
+    deepstack: jax.Array
+    rope_pos: jax.Array
+
+
 def layer_index(cfg: ModelConfig) -> list[int]:
     """For each layer, its index among the layers of its kind (attention or GDN) in ``Pools``."""
     counts = {True: 0, False: 0}
@@ -99,15 +114,23 @@ def _layer(p: dict, cfg: ModelConfig, i: int, j: int, x: jax.Array, r: Ragged, p
 
 
 def forward_ragged(params: dict, cfg: ModelConfig, tokens: jax.Array, r: Ragged, pools: Pools, *, decode: bool,
-                   last_only: bool = True):
+                   last_only: bool = True, images: Images | None = None):
     """The stack over a flat ragged batch: ``tokens [T]`` laid out as ``r`` says. Not jitted: it is
     traced inside the caller's jit. ``decode`` (static): every row has exactly one token, in row
-    order (T == B), which selects the one-step recurrent GDN backend. Returns fp32 logits of each
-    row's last token [B, V] (``last_only``; rows without tokens give garbage) or of every token
-    [T, V], and the updated pools."""
+    order (T == B), which selects the one-step recurrent GDN backend. ``images``: image rows to
+    scatter and multimodal rotary positions (``Images``). Returns fp32 logits of each row's last
+    token [B, V] (``last_only``; rows without tokens give garbage) or of every token [T, V], and
+    the updated pools."""
     x = params["embed"][tokens]
+    if images is not None:
+        is_image = (images.row >= 0)[:, None]
+        rows = jnp.maximum(images.row, 0)
+        x = jnp.where(is_image, images.embeds[rows].astype(x.dtype), x)
+        r = r._replace(rope_pos=images.rope_pos)
     for i, (p, j) in enumerate(zip(params["layers"], layer_index(cfg))):
         x, pools = _layer(p, cfg, i, j, x, r, pools, decode)
+        if images is not None and i < images.deepstack.shape[0]:
+            x = x + jnp.where(is_image, images.deepstack[i][rows].astype(x.dtype), 0)
     if last_only:
         x = x[jnp.maximum(r.cu_seqlens[1:] - 1, 0)]
     x = rms_norm(x, params["norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
@@ -127,9 +150,10 @@ def make_ragged(positions, cu_seqlens, context_len, page_table, read_slot, write
 
 @partial(jax.jit, static_argnames=("cfg", "last_only"), donate_argnames=("state",))
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, state: Pools,
-            last_only: bool = False):
+            last_only: bool = False, images: Images | None = None):
     """Run ``tokens`` [B, T] at absolute ``positions`` [B, T] (consecutive per row, continuing
-    where ``state`` left off). Returns fp32 logits [B, T, V] (or [B, V] with ``last_only``) and
+    where ``state`` left off). ``images``: as ``forward_ragged`` takes them, with ``row`` [B, T] and
+    ``rope_pos`` [B, T, 3]. Returns fp32 logits [B, T, V] (or [B, V] with ``last_only``) and
     the new state. ``state`` is donated: the caller must use the returned one.
 
     The dense state viewed as pools: row ``b``'s KV ``[b, 0:max_len]`` is pages
@@ -149,6 +173,9 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
                     positions[:, 0].astype(jnp.int32), page_table, rows, rows)
     paged = state._replace(k=state.k.reshape(n_attn, B * per_row, ps, kvh, hd),
                            v=state.v.reshape(n_attn, B * per_row, ps, kvh, state.v.shape[-1]))
-    logits, paged = forward_ragged(params, cfg, tokens.reshape(-1), r, paged, decode=T == 1, last_only=last_only)
+    if images is not None:
+        images = images._replace(row=images.row.reshape(-1), rope_pos=images.rope_pos.reshape(-1, 3))
+    logits, paged = forward_ragged(params, cfg, tokens.reshape(-1), r, paged, decode=T == 1, last_only=last_only,
+                                   images=images)
     new_state = paged._replace(k=paged.k.reshape(state.k.shape), v=paged.v.reshape(state.v.shape))
     return (logits if last_only else logits.reshape(B, T, -1)), new_state

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxserve.config import SLIDING_ATTENTION, ModelConfig
@@ -57,6 +58,9 @@ class Ragged(NamedTuple):
     snap_seq: jax.Array     # [S] int32
     snap_len: jax.Array     # [S] int32
     snap_dst: jax.Array     # [S] int32
+    # Multimodal rotary positions (t, h, w) of each token [T, 3] (``ModelConfig.mrope_section``);
+    # None: ``positions`` on every axis. Pages and the causal mask always use ``positions``.
+    rope_pos: jax.Array | None = None
 
     @property
     def num_rows(self) -> int:
@@ -85,15 +89,23 @@ def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float,
     return out.astype(x.dtype)
 
 
-def rotary(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> jax.Array:
+def rotary(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float,
+           mrope_section: tuple[int, ...] = ()) -> jax.Array:
     """Rotate-half RoPE on the first ``rotary_dim`` channels of each head; the rest pass through.
 
-    x: [..., heads, head_dim]; positions: [...]. For text-only prompts Qwen3.5's multimodal
-    RoPE gives every axis the same position, which reduces exactly to this.
+    x: [..., heads, head_dim]; positions: [...], or [..., 3] multimodal (t, h, w) positions, each
+    frequency turning by the axis ``mrope_section`` gives it (``ModelConfig.mrope_section``). Text
+    tokens have t = h = w, where the multimodal form reduces exactly to the plain one.
     """
     half = rotary_dim // 2
     inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., half]
+    if positions.ndim == x.ndim - 1:  # [..., 3]
+        freq = np.arange(half)
+        axis = np.where((freq % 3 == 1) & (freq < 3 * mrope_section[1]), 1,
+                        np.where((freq % 3 == 2) & (freq < 3 * mrope_section[2]), 2, 0))
+        freqs = positions.astype(jnp.float32)[..., axis] * inv_freq  # [..., half], axis chosen per frequency
+    else:
+        freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., half]
     cos = jnp.cos(freqs).astype(x.dtype)[..., None, :]
     sin = jnp.sin(freqs).astype(x.dtype)[..., None, :]
     x1, x2, rest = x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]
@@ -150,8 +162,8 @@ def attention_in(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array):
     v = linear(x, p["v_proj"]).reshape(T, nkv, hd)
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
     k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
-    q = rotary(q, positions, cfg.rotary_dim, cfg.rope_theta)
-    k = rotary(k, positions, cfg.rotary_dim, cfg.rope_theta)
+    q = rotary(q, positions, cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section)
+    k = rotary(k, positions, cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section)
     return q, k, v, gate
 
 
@@ -230,7 +242,7 @@ def attention(p: dict, cfg: ModelConfig, layer_type: str, x: jax.Array, r: Ragge
               v_pool: jax.Array, layer: int):
     """Causal GQA with q/k norm, partial RoPE and (hybrid families) a sigmoid output gate, over
     paged KV. x [T, H]; ``layer`` indexes this layer in the pools. Returns (y, k_pool, v_pool)."""
-    q, k, v, gate = attention_in(p, cfg, x, r.positions)
+    q, k, v, gate = attention_in(p, cfg, x, r.positions if r.rope_pos is None else r.rope_pos)
     window = cfg.sliding_window if layer_type == SLIDING_ATTENTION else None
     if use_attention_kernel(cfg, q.dtype, k_pool.shape[2]):
         out, k_pool, v_pool = paged_attention_kernel.paged_attention(

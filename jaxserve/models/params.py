@@ -18,6 +18,7 @@ from typing import Mapping
 import numpy as np
 
 from jaxserve.config import LINEAR_ATTENTION, ModelConfig
+from jaxserve.models import vision
 
 
 def _linear_shapes(name: str, out_dim: int, in_dim: int, bias: bool = False) -> dict[str, tuple[int, ...]]:
@@ -120,6 +121,8 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                 shapes[f"{pre}.mlp.gate.e_score_correction_bias"] = (E,)
         else:
             shapes.update(_mlp_shapes(f"{pre}.mlp", H, cfg.intermediate_size))
+    if cfg.vision is not None:
+        shapes.update(vision.hf_shapes(cfg.vision))
     return shapes
 
 
@@ -237,4 +240,6 @@ def build_params(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], to_device)
     params = {"embed": to_device(t["model.embed_tokens.weight"]), "layers": layers, "norm": to_device(t["model.norm.weight"])}
     if not cfg.tie_word_embeddings:
         params["lm_head"] = to_device(np.ascontiguousarray(t["lm_head.weight"].T))
+    if cfg.vision is not None:
+        params["vision"] = vision.build_params(cfg.vision, t, to_device)
     return params

@@ -1,0 +1,213 @@
+"""Image preprocessing equal to the checkpoint's Qwen2-VL-style processor (transformers'
+``Qwen2VLImageProcessorPil``, which Qwen3-VL and Qwen3.5 use):
+
+1. convert to RGB (transparency composited onto white);
+2. smart resize: height and width become multiples of ``patch_size * merge_size`` with the aspect
+   ratio kept as well as it can be and the pixel count inside [min_pixels, max_pixels]; Pillow's
+   bicubic resample on the uint8 image;
+3. rescale to [0, 1] (in float64, then float32) and normalise per channel with the processor's
+   mean and std;
+4. patching: the image becomes ``grid_h * grid_w`` rows of ``C * temporal_patch_size * patch**2``
+   values (the one frame repeated over the temporal patch), ordered merge block by merge block so
+   that every ``merge_size**2`` consecutive rows form one soft token.
+
+The resize clamp (issue 25 §3): ``ImageProcessing.clamped`` lowers ``max_pixels`` (default
+``DEFAULT_MAX_PIXELS``, ~1 Mpx; ``--image-max-pixels`` / ``JAXSERVE_IMAGE_MAX_PIXELS``), so a 4K
+screenshot costs ~1k soft tokens instead of ~8k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import math
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+# transformers' Qwen2-VL processor defaults, used when a checkpoint ships no preprocessor_config.json.
+_OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+_OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+_DEFAULT_MIN_PIXELS = 56 * 56
+_DEFAULT_MAX_PIXELS = 28 * 28 * 1280
+MAX_ASPECT_RATIO = 200  # the processor refuses longer / shorter images
+
+DEFAULT_MAX_PIXELS = 1024 * 1024  # the clamp: ~1 Mpx
+MAX_PIXELS_ENV = "JAXSERVE_IMAGE_MAX_PIXELS"
+
+
+class ImageError(ValueError):
+    """An image that cannot be used; the message says why (for a 400)."""
+
+
+def default_max_pixels() -> int:
+    """The clamp from ``JAXSERVE_IMAGE_MAX_PIXELS``, else ``DEFAULT_MAX_PIXELS``."""
+    raw = os.environ.get(MAX_PIXELS_ENV)
+    if not raw:
+        return DEFAULT_MAX_PIXELS
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{MAX_PIXELS_ENV}={raw!r} is not an integer") from None
+    if value <= 0:
+        raise ValueError(f"{MAX_PIXELS_ENV} must be positive, got {value}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageProcessing:
+    """The processor's settings (``preprocessor_config.json``, else the vision config and
+    transformers' defaults)."""
+
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    min_pixels: int = _DEFAULT_MIN_PIXELS
+    max_pixels: int = _DEFAULT_MAX_PIXELS
+    image_mean: tuple[float, ...] = _OPENAI_CLIP_MEAN
+    image_std: tuple[float, ...] = _OPENAI_CLIP_STD
+    rescale_factor: float = 1 / 255
+
+    @property
+    def factor(self) -> int:
+        """Pixels per soft token along each side."""
+        return self.patch_size * self.merge_size
+
+    @classmethod
+    def from_checkpoint(cls, folder: str | Path, vision) -> "ImageProcessing":
+        """``vision``: the checkpoint's ``jaxserve.config.VisionConfig``."""
+        base = cls(vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size)
+        path = Path(folder) / "preprocessor_config.json"
+        if not path.is_file():
+            return base
+        raw = json.loads(path.read_text())
+        size = raw.get("size") or {}
+        return dataclasses.replace(
+            base,
+            patch_size=raw.get("patch_size", base.patch_size),
+            temporal_patch_size=raw.get("temporal_patch_size", base.temporal_patch_size),
+            merge_size=raw.get("merge_size", base.merge_size),
+            min_pixels=size.get("shortest_edge", raw.get("min_pixels", base.min_pixels)),
+            max_pixels=size.get("longest_edge", raw.get("max_pixels", base.max_pixels)),
+            image_mean=tuple(raw.get("image_mean", base.image_mean)),
+            image_std=tuple(raw.get("image_std", base.image_std)),
+            rescale_factor=raw.get("rescale_factor", base.rescale_factor),
+        )
+
+    def clamped(self, max_pixels: int) -> "ImageProcessing":
+        """The resize bounds clamped to at most ``max_pixels`` (never raised)."""
+        top = max(min(self.max_pixels, max_pixels), self.factor**2)
+        return dataclasses.replace(self, max_pixels=top, min_pixels=min(self.min_pixels, top))
+
+
+class PixelPatches(NamedTuple):
+    """One preprocessed image: ``pixels`` [grid_h * grid_w, C * tp * p * p] float32 in merge-block
+    order, ``grid`` (t, grid_h, grid_w) in patches."""
+
+    pixels: np.ndarray
+    grid: tuple[int, int, int]
+
+    def num_tokens(self, merge_size: int) -> int:
+        """Soft tokens (placeholders) this image takes in the prompt."""
+        t, h, w = self.grid
+        return t * h * w // merge_size**2
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """(height, width), multiples of ``factor``, pixel count within [min_pixels, max_pixels], aspect
+    ratio kept as closely as possible (transformers' ``smart_resize``, the same float arithmetic)."""
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ImageError(f"image aspect ratio {max(height, width) / min(height, width):.0f}:1 is above the "
+                         f"{MAX_ASPECT_RATIO}:1 the model's processor accepts")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def to_rgb(image):
+    """A Pillow image as RGB, transparency composited onto white (the processor's ``convert_to_rgb``)."""
+    from PIL import Image
+
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def resize(image, proc: ImageProcessing) -> np.ndarray:
+    """RGB Pillow image -> smart-resized uint8 [3, H, W] (bicubic, as the processor resamples)."""
+    from PIL import Image
+
+    rgb = to_rgb(image)
+    height, width = smart_resize(rgb.height, rgb.width, proc.factor, proc.min_pixels, proc.max_pixels)
+    resized = rgb.resize((width, height), resample=Image.Resampling.BICUBIC)
+    return np.moveaxis(np.asarray(resized, dtype=np.uint8), -1, 0)
+
+
+def normalize(chw: np.ndarray, proc: ImageProcessing) -> np.ndarray:
+    """uint8 [C, H, W] -> float32, rescaled then normalised per channel."""
+    x = (chw.astype(np.float64) * proc.rescale_factor).astype(np.float32)
+    mean = np.asarray(proc.image_mean, np.float32)[:, None, None]
+    std = np.asarray(proc.image_std, np.float32)[:, None, None]
+    return (x - mean) / std
+
+
+def patchify(chw: np.ndarray, proc: ImageProcessing) -> PixelPatches:
+    """float [C, H, W] (H, W multiples of ``proc.factor``) -> patches in merge-block order."""
+    c, height, width = chw.shape
+    p, m, tp = proc.patch_size, proc.merge_size, proc.temporal_patch_size
+    gh, gw = height // p, width // p
+    x = chw.reshape(c, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)  # (bh, bw, mh, mw, C, ph, pw)
+    x = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], tp, p, p))
+    return PixelPatches(np.ascontiguousarray(x.reshape(gh * gw, c * tp * p * p), dtype=np.float32), (1, gh, gw))
+
+
+def preprocess(image, proc: ImageProcessing) -> PixelPatches:
+    """A decoded Pillow image -> the tower's input."""
+    return patchify(normalize(resize(image, proc), proc), proc)
+
+
+# Decoding ------------------------------------------------------------------------------------------
+
+ACCEPTED_FORMATS = ("PNG", "JPEG", "WEBP")
+MAX_DECODED_PIXELS = 64 * 1024 * 1024  # decompression-bomb guard: refuse before decoding the pixels
+
+
+def decode(data: bytes):
+    """Encoded PNG / JPEG / WebP bytes -> a fully decoded Pillow image; ``ImageError`` naming the
+    problem for anything else (not an image, another format, truncated, zero-sized, too large)."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not data:
+        raise ImageError("image is empty (0 bytes)")
+    try:
+        with Image.open(io.BytesIO(data)) as probe:
+            fmt, (width, height) = probe.format, probe.size
+    except UnidentifiedImageError:
+        raise ImageError("payload is not a PNG, JPEG or WebP image") from None
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
+        raise ImageError(f"image cannot be read: {e}") from None
+    if fmt not in ACCEPTED_FORMATS:
+        raise ImageError(f"image format {fmt} is not accepted (use PNG, JPEG or WebP)")
+    if width <= 0 or height <= 0:
+        raise ImageError(f"image has zero size ({width}x{height})")
+    if width * height > MAX_DECODED_PIXELS:
+        raise ImageError(f"image is {width}x{height} = {width * height} pixels, above the "
+                         f"{MAX_DECODED_PIXELS} this server decodes")
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()  # decode now: a truncated file fails here, not later inside the engine
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+        raise ImageError(f"image is corrupt or truncated: {e}") from None
+    return image
