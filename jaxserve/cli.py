@@ -2,6 +2,7 @@
 
     jaxserve serve [--model DIR] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--served-model-name NAME]
                    [engine flags: --dtype, --page-size, --max-prefill-length, --max-running-requests, ...]
+                   [HTTP limits: --timeout-keep-alive S, --request-read-timeout S, --limit-concurrency N]
     jaxserve generate [--model DIR] (--prompt TEXT | --prompt-ids 1,2,3 | --prompts-file F) [--max-tokens N]
                       [--temperature T] [--top-p P] [--top-k K] [--seed S] [--stop S] [--dtype float32|bfloat16]
                       [--chat] [--ignore-eos] [--json] [engine flags: --page-size, --max-prefill-length, ...]
@@ -12,17 +13,18 @@ Prompts run through the full engine (continuous batching, prefix cache). ``--jso
 JSON object per prompt: output_ids, text, logprobs (the chosen token's logprob at each step),
 finish_reason, prompt_tokens, cached_tokens (prompt tokens served from the prefix cache).
 
-``serve`` starts the OpenAI-compatible HTTP server (server/): it prints its config, loads the
-checkpoint, sizes memory from the largest compiled step, compiles every step program the server can
-run (a progress bar; JAX's persistent cache makes a second start load them), sends one warm-up
-request, and only then opens the port, so a 200 from ``/health`` means no request waits for a
-compile (``/metrics``: ``jaxserve_compiles_after_ready_total`` stays 0). Every user error (bad
+``serve`` starts the OpenAI-compatible HTTP server (server/): it prints its config, binds the port
+(a busy one is an error at once, not after minutes of compiling), loads the checkpoint, sizes
+memory from the largest compiled step, compiles every step program the server can run (a progress
+bar; JAX's persistent cache makes a second start load them), sends one warm-up request, and only
+then listens, so a 200 from ``/health`` means no request waits for a compile (``/metrics``: ``jaxserve_compiles_after_ready_total`` stays 0). Every user error (bad
 folder, bad flag value, prompt too long) goes to stderr as one line and exits with code 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -99,6 +101,9 @@ def _engine_args(args: argparse.Namespace, progress: bool):
         raise UsageError(f"--mem-fraction must be in (0, 1], got {args.mem_fraction}")
     if args.compile_workers < 1:
         raise UsageError(f"--compile-workers must be >= 1, got {args.compile_workers}")
+    from jaxserve.engine.policy import make_policy
+
+    make_policy(args.policy)  # an unknown policy is a usage error before anything loads
     return EngineArgs(
         model=args.model or str(DEFAULT_MODEL_DIR), dtype=args.dtype, page_size=args.page_size,
         max_prefill_length=args.max_prefill_length, max_running_requests=args.max_running_requests,
@@ -118,16 +123,25 @@ def _serve(args: argparse.Namespace) -> int:
     from jaxserve.generate import SamplingParams
 
     try:
-        import uvicorn
-
+        from server import http
         from server.app import create_app
         from server.async_engine import AsyncEngine
+        from server.limits import HTTPLimits
         from server.metrics import Metrics
     except ImportError as e:
         raise UsageError(f"the server needs the 'server' extra (pip install -e '.[server]'): {e}") from None
     if not 0 < args.port < 65536:
         raise UsageError(f"--port must be in 1..65535, got {args.port}")
+    try:
+        limits = HTTPLimits(timeout_keep_alive=args.timeout_keep_alive, request_read_timeout=args.request_read_timeout,
+                            limit_concurrency=args.limit_concurrency)
+    except ValueError as e:
+        raise UsageError(f"--{str(e).replace('_', '-')}") from None
     eargs = _engine_args(args, progress=True)
+    try:  # take the port before the model loads and compiles: a busy port fails now, not minutes later
+        sock = http.bind_socket(args.host, args.port)
+    except OSError as e:
+        raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     name = args.served_model_name or (args.model if args.model else "jaxserve-default")
     log = lambda msg: print(f"jaxserve: {msg}", file=sys.stderr, flush=True)  # noqa: E731
     log("serve config: " + ", ".join(f"{k}={v}" for k, v in [
@@ -137,7 +151,7 @@ def _serve(args: argparse.Namespace) -> int:
         ("max_model_len", eargs.max_model_len), ("num_pages", eargs.num_pages), ("num_slots", eargs.num_slots),
         ("policy", eargs.policy), ("kernels", eargs.kernels), ("debug_snapshot_checksums", eargs.debug_snapshot_checksums),
         ("mem_fraction", eargs.mem_fraction), ("compile_cache", eargs.compile_cache),
-        ("compile_workers", eargs.compile_workers)]))
+        ("compile_workers", eargs.compile_workers), *dataclasses.asdict(limits).items()]))
     if eargs.debug_fault:
         log(f"WARNING: --debug-inject-fault {eargs.debug_fault}: cache hits are corrupted on purpose (tests only)")
     t0 = time.perf_counter()
@@ -156,63 +170,96 @@ def _serve(args: argparse.Namespace) -> int:
         f"the HTTP server on http://{args.host}:{args.port}")
     ready = startup.backend_compiles()
     metrics = Metrics()
-    metrics.step_compiles.observe(startup.step_compiles)
-    metrics.compiles_after_ready.observe(lambda: startup.backend_compiles() - ready)
+    metrics.observe("step_compiles", "XLA compiles (or compile-cache loads) of the serving step in this process; a "
+                    "server makes all of them before it is ready.", startup.step_compiles)
+    metrics.observe("compiles_after_ready", "XLA compiles (or compile-cache loads) of any program after the server "
+                    "became ready; stays 0 when no request waits for a compile.",
+                    lambda: startup.backend_compiles() - ready)
     async_engine = AsyncEngine(engine, metrics).start()
     app = create_app(async_engine, served_model_name=name, api_key=args.api_key)
+    config = http.uvicorn_config(app, args.host, args.port, limits, log_level=args.log_level)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30)
+        http.serve(config, sock)
     finally:
         async_engine.stop()
+        sock.close()
     return 0
 
 
-def _add_engine_flags(p: argparse.ArgumentParser, dtype_default: str) -> None:
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """The engine's flags (serve and generate); their defaults are ``EngineArgs``'."""
+    from jaxserve.engine.llm import EngineArgs
+
+    d = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
     p.add_argument("--model", default=None, help="Hugging Face checkpoint folder (default: the model shipped in weights/default)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=dtype_default)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-prefill-length", type=int, default=8192, help="tokens per step (chunked prefill)")
-    p.add_argument("--max-running-requests", type=int, default=64)
-    p.add_argument("--num-pages", type=int, help="KV pages (default: from the memory budget)")
-    p.add_argument("--num-slots", type=int, help="linear-state slots (default: from the memory budget)")
-    p.add_argument("--policy", choices=("fcfs", "lpm"), default="fcfs")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=d["dtype"],
+                   help="parameter and activation dtype (default: %(default)s)")
+    p.add_argument("--page-size", type=int, default=d["page_size"], metavar="N",
+                   help="tokens per KV page; 64 must be a multiple of it (default: %(default)s)")
+    p.add_argument("--max-prefill-length", type=int, default=d["max_prefill_length"], metavar="N",
+                   help="tokens per step: the chunked-prefill budget (default: %(default)s)")
+    p.add_argument("--max-running-requests", type=int, default=d["max_running_requests"], metavar="N",
+                   help="requests in one step's batch (default: %(default)s)")
+    p.add_argument("--num-pages", type=int, default=d["num_pages"], metavar="N",
+                   help="KV pages (default: from the memory budget)")
+    p.add_argument("--num-slots", type=int, default=d["num_slots"], metavar="N",
+                   help="linear-state slots (default: from the memory budget)")
+    p.add_argument("--policy", default=d["policy"],
+                   help="scheduling policy: fcfs, lpm, dfs-weight, priority, spjf, fair, or a plug-in "
+                        "package.module:ClassName (jaxserve/engine/policy.py) (default: %(default)s)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="plan each step only after the previous one finished (default: step N+1 is planned and "
                         "dispatched while step N runs, hiding the host's time)")
-    p.add_argument("--kernels", default="auto",
+    p.add_argument("--kernels", default=d["kernels"],
                    help="mixer backends: auto (on a GPU, the kernels verified there), jnp, pallas (the Pallas "
-                        "Mosaic GPU kernels), or a list of them: gdn_prefill,gdn_decode,paged_attention")
-    p.add_argument("--mem-fraction", type=float, default=0.85,
+                        "Mosaic GPU kernels), or a list of them: gdn_prefill,gdn_decode,paged_attention "
+                        "(default: %(default)s)")
+    p.add_argument("--mem-fraction", type=float, default=d["mem_fraction"], metavar="F",
                    help="share of the device's memory for params, pools and the largest step's temporaries "
-                        "(measured at start-up); ignored on a CPU")
+                        "(measured at start-up); ignored on a CPU (default: %(default)s)")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="JAX's persistent compilation cache (default: $JAXSERVE_COMPILE_CACHE, else "
                         "~/.cache/jaxserve/xla): a second start loads its programs instead of compiling them")
     p.add_argument("--no-compile-cache", action="store_true", help="no persistent compilation cache")
-    p.add_argument("--compile-workers", type=int, default=1, metavar="N",
-                   help="serve: step programs compiled at once at start-up (default: 1)")
+    p.add_argument("--compile-workers", type=int, default=d["compile_workers"], metavar="N",
+                   help="serve: step programs compiled at once at start-up (default: %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from server.limits import HTTPLimits
+
     ap = argparse.ArgumentParser(prog="jaxserve", description="JAX/Pallas serving engine for hybrid linear-attention LLMs")
     sub = ap.add_subparsers(dest="command", required=True)
     sv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...)")
-    _add_engine_flags(sv, "bfloat16")
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* routes")
-    sv.add_argument("--served-model-name", default=None,
+    _add_engine_flags(sv)
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    sv.add_argument("--port", type=int, default=8000,
+                    help="port to listen on; taken before the model loads, so a busy port fails at once "
+                         "(default: %(default)s)")
+    sv.add_argument("--api-key", default=None, metavar="KEY",
+                    help="require 'Authorization: Bearer KEY' on /v1/* routes (default: none, open)")
+    sv.add_argument("--served-model-name", default=None, metavar="NAME",
                     help="the model name clients send (default: the --model argument, or 'jaxserve-default')")
-    sv.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    sv.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                    help="context length (default: the model's)")
+    sv.add_argument("--timeout-keep-alive", type=int, default=HTTPLimits.timeout_keep_alive, metavar="S",
+                    help="close an idle kept-alive connection after S seconds (default: %(default)s)")
+    sv.add_argument("--request-read-timeout", type=float, default=HTTPLimits.request_read_timeout, metavar="S",
+                    help="answer 408 and close a connection whose request headers and body have not all arrived "
+                         "S seconds after its first byte (slow clients cannot hold connections; streaming a "
+                         "response is not timed) (default: %(default)s)")
+    sv.add_argument("--limit-concurrency", type=int, default=HTTPLimits.limit_concurrency, metavar="N",
+                    help="answer 503 beyond N open connections or requests in progress (default: %(default)s)")
     sv.add_argument("--debug-snapshot-checksums", action="store_true",
                     help="checksum every prefix-cache snapshot on donation and before each hit (metric: "
                          "jaxserve_snapshot_checksum_mismatches)")
     # Test-only: corrupt every prefix-cache hit on purpose, to prove `jaxserve probe` catches it.
     sv.add_argument("--debug-inject-fault", choices=("stale-snapshot", "wrong-snapshot"), default=None,
                     help=argparse.SUPPRESS)
-    sv.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    sv.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                    help="uvicorn's log level (default: %(default)s)")
     g = sub.add_parser("generate", help="generate a completion offline for one prompt")
-    _add_engine_flags(g, "bfloat16")
+    _add_engine_flags(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
@@ -244,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--api-key", default=None)
     pr.add_argument("--model", default=None, help="model name to send (default: the server's first listed model)")
     pr.add_argument("--json", action="store_true", help="print the report as one JSON object (no progress)")
+    sub.add_parser("sim", add_help=False, help="scheduling research: the real scheduler and prefix cache on a "
+                   "virtual clock (`jaxserve sim --help`; sweep, gen, calibrate, validate)")
     b = sub.add_parser("bench", help="serving benchmark (TTFT, TPOT, ITL, latency, throughput, prefix-cache hits) "
                                      "against any OpenAI-compatible server, like `vllm bench serve`")
     b.add_argument("--url", default="http://127.0.0.1:8000",
@@ -300,6 +349,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["sim"]:  # its own parsers (jaxserve/sim/cli.py)
+        from jaxserve.sim.cli import main as sim_main
+
+        return sim_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         if args.command == "serve":

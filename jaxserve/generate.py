@@ -13,7 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxserve.models import decoder
+from jaxserve.models import decoder, vision
 from jaxserve.sampler import sample
 
 LEN_BUCKET = 256
@@ -28,6 +28,10 @@ class SamplingParams:
     seed: int = 0
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    # Scheduling, read only by policies (jaxserve/engine/policy.py): lower priority values go first
+    # under ``--policy priority`` (vLLM's convention); ``tenant`` is whom ``--policy fair`` shares by.
+    priority: int = 0
+    tenant: str = ""
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -48,7 +52,9 @@ class Generation:
 
 
 def generate(params, cfg, prompt_ids: list[int], sampling: SamplingParams, dtype=jnp.float32,
-             eos_token_ids: tuple[int, ...] = ()) -> Generation:
+             eos_token_ids: tuple[int, ...] = (), images=None) -> Generation:
+    """``images``: the prompt's preprocessed images (``PixelPatches``, in order) when its
+    placeholders are expanded (``jaxserve.multimodal.prompt.expand_placeholders``)."""
     if not prompt_ids:
         raise ValueError("prompt is empty")
     if max(prompt_ids) >= cfg.vocab_size or min(prompt_ids) < 0:
@@ -65,7 +71,9 @@ def generate(params, cfg, prompt_ids: list[int], sampling: SamplingParams, dtype
     state = decoder.init_state(cfg, 1, max_len, dtype)
     n = len(prompt_ids)
     tokens = jnp.asarray([prompt_ids], jnp.int32)
-    logits, state = decoder.forward(params, cfg, tokens, jnp.arange(n, dtype=jnp.int32)[None], state, last_only=True)
+    mm, delta = vision.dense_images(params, cfg, prompt_ids, images) if images else (None, 0)
+    logits, state = decoder.forward(params, cfg, tokens, jnp.arange(n, dtype=jnp.int32)[None], state, last_only=True,
+                                    images=mm)
 
     key = jax.random.PRNGKey(sampling.seed)
     knobs = (jnp.asarray([sampling.temperature], jnp.float32), jnp.asarray([sampling.top_k], jnp.int32),
@@ -82,6 +90,7 @@ def generate(params, cfg, prompt_ids: list[int], sampling: SamplingParams, dtype
         if step + 1 == sampling.max_tokens:
             break
         pos = jnp.asarray([[n + step]], jnp.int32)
-        logits, state = decoder.forward(params, cfg, tok[:, None], pos, state, last_only=True)
+        step_mm = vision.text_only(cfg, pos, delta, cfg.hidden_size, params["embed"].dtype) if images else None
+        logits, state = decoder.forward(params, cfg, tok[:, None], pos, state, last_only=True, images=step_mm)
     return Generation(out, logprobs, "length")
 

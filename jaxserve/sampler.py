@@ -8,8 +8,24 @@ what OpenAI-style ``logprobs`` report and what differential tests compare.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def check_representable(temperature: float, top_k: int) -> None:
+    """Raise ``ValueError`` unless a request's knobs fit the arrays ``sample`` takes (a finite
+    float32, an int32; ``SamplingParams`` checks their ranges, top_p's included). Checked when a
+    request enters the engine: a value that cannot be packed would otherwise fail the whole step
+    that carries it, and with it every other request in that step."""
+    if not (math.isfinite(temperature) and abs(temperature) <= FLOAT32_MAX):
+        raise ValueError(f"temperature must be a finite float32, got {temperature}")
+    if not -INT32_MAX - 1 <= top_k <= INT32_MAX:
+        raise ValueError(f"top_k must fit an int32 (at most {INT32_MAX}), got {top_k}")
 
 
 @jax.jit

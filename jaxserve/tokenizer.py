@@ -176,7 +176,9 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=True).ids
+        # The batch call gives the same ids and, unlike ``encode``, releases the GIL while it works:
+        # a server tokenizing a long prompt in a worker thread keeps its event loop running.
+        return self._tok.encode_batch_fast([text], add_special_tokens=True)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         text = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -1,1 +1,2 @@
-"""The OpenAI-compatible HTTP server (FastAPI): routes, SSE streaming, metrics. See issue "OpenAI-compatible HTTP server"."""
+"""The OpenAI-compatible HTTP server: ``http`` (the HTTP layer and its limits), ``app`` (routes),
+``protocol`` (request and response bodies), ``async_engine`` (the engine thread), ``metrics``."""

@@ -1,20 +1,24 @@
 """The bridge between the single-threaded ``Engine`` and asyncio.
 
 The engine is not thread-safe, so exactly one thread ever touches it: ``AsyncEngine``'s engine
-thread. Its loop: drain the inbox (add / abort / call commands), run ``engine.step()`` while
-there is work, otherwise block on the inbox. Each request's outputs (``RequestOutput`` deltas) go
-to that request's ``asyncio.Queue`` through ``loop.call_soon_threadsafe``, one callback per step.
+thread. Its loop: drain the inbox (``Command``s: ``Add`` / ``Abort`` / ``Call`` / ``Wake``), run
+``engine.step()`` while there is work, otherwise block on the inbox, and after each round publish
+``engine.stats()`` to the metrics. Each request's outputs (``RequestOutput`` deltas, or the
+exception that ended it) go to that request's ``asyncio.Queue`` through
+``loop.call_soon_threadsafe``, one callback per step.
 
 Every way a request can end goes through the engine thread (finish, ``abort`` from a dropped
 client, an engine error), and its queue is dropped there too, so nothing a request held outlives
 it (invariant 7). ``call(fn)`` runs ``fn(engine)`` between two steps: the safe way for metrics,
-tests and debugging to look at the engine.
+tests and debugging to look at the engine. A request's bad data cannot end the thread: the
+engine checks it at ``add_request`` (a 400), and a step that fails fails only its own requests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import itertools
 import queue
 import sys
@@ -46,6 +50,44 @@ class _Stream:
         self.queue, self.loop, self.arrival, self.last, self.prompt_tokens = q, loop, arrival, None, prompt_tokens
 
 
+# Commands the asyncio side posts to the engine thread's inbox.
+
+
+@dataclasses.dataclass(frozen=True)
+class Add:
+    """Add a request; ``done`` gets the id (or the ``ValueError`` the engine raised: a 400)."""
+
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    stream: _Stream
+    done: concurrent.futures.Future
+
+
+@dataclasses.dataclass(frozen=True)
+class Abort:
+    """Drop a request (no-op if it already finished)."""
+
+    rid: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """Run ``fn(engine)`` between two steps; ``done`` gets its result or exception."""
+
+    fn: Callable[[Engine], Any]
+    done: concurrent.futures.Future
+
+
+@dataclasses.dataclass(frozen=True)
+class Wake:
+    """Nothing to do: makes a blocked engine thread look at ``_stopping``."""
+
+
+Command = Add | Abort | Call | Wake
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine, metrics: Metrics | None = None):
         self.engine = engine  # touch only from the engine thread (or before start / after stop)
@@ -66,7 +108,7 @@ class AsyncEngine:
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping = True
-        self._inbox.put(("wake",))
+        self._inbox.put(Wake())
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -86,13 +128,13 @@ class AsyncEngine:
         q: asyncio.Queue = asyncio.Queue()
         fut: concurrent.futures.Future = concurrent.futures.Future()
         stream = _Stream(q, loop, time.perf_counter(), len(prompt_ids))
-        self._inbox.put(("add", rid, list(prompt_ids), sampling, tuple(stop), stream, fut))
+        self._inbox.put(Add(rid, list(prompt_ids), sampling, tuple(stop), stream, fut))
         await asyncio.wrap_future(fut)
         return rid, q
 
     def abort(self, rid: str) -> None:
         """Ask the engine thread to drop ``rid`` (no-op if it already finished). Safe from any thread."""
-        self._inbox.put(("abort", rid))
+        self._inbox.put(Abort(rid))
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
         self._check_alive()
@@ -105,7 +147,7 @@ class AsyncEngine:
 
     def call_future(self, fn: Callable[[Engine], Any]) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(("call", fn, fut))
+        self._inbox.put(Call(fn, fut))
         return fut
 
     def _check_alive(self) -> None:
@@ -116,6 +158,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            self._publish_stats()
             while not self._stopping:
                 block = not self.engine.has_work()
                 try:
@@ -132,7 +175,7 @@ class AsyncEngine:
                 if self.engine.has_work():
                     outputs = self.engine.step()
                     self._deliver(outputs)
-                self._update_gauges()
+                self._publish_stats()
         except BaseException as e:  # a bug in the engine: fail every request, refuse new ones
             self.error = e
             traceback.print_exc(file=sys.stderr)
@@ -144,32 +187,28 @@ class AsyncEngine:
                     cmd = self._inbox.get_nowait()
                 except queue.Empty:
                     break
-                if cmd[0] in ("add", "call"):
-                    cmd[-1].set_exception(EngineDeadError(f"engine failed: {e!r}"))
+                if isinstance(cmd, (Add, Call)):
+                    cmd.done.set_exception(EngineDeadError(f"engine failed: {e!r}"))
 
-    def _handle(self, cmd: tuple) -> None:
-        kind = cmd[0]
-        if kind == "add":
-            _, rid, prompt_ids, sampling, stop, stream, fut = cmd
+    def _handle(self, cmd: Command) -> None:
+        if isinstance(cmd, Add):
             try:
-                self.engine.add_request(prompt_ids, sampling, stop=stop, request_id=rid)
-            except Exception as e:  # ValueError: bad prompt / too long; reported as a 400
-                fut.set_exception(e)
+                self.engine.add_request(cmd.prompt_ids, cmd.sampling, stop=cmd.stop, request_id=cmd.rid)
+            except Exception as e:  # ValueError: bad prompt / too long / out of range; reported as a 400
+                cmd.done.set_exception(e)
                 return
-            self._streams[rid] = stream
-            self.metrics.prompt_tokens.inc(len(prompt_ids))
-            fut.set_result(rid)
-        elif kind == "abort":
-            rid = cmd[1]
-            if self._streams.pop(rid, None) is not None:
-                self.engine.abort(rid)
-                self.metrics.requests_finished.inc(1, reason="abort")
-        elif kind == "call":
-            _, fn, fut = cmd
+            self._streams[cmd.rid] = cmd.stream
+            self.metrics.prompt_tokens.inc(len(cmd.prompt_ids))
+            cmd.done.set_result(cmd.rid)
+        elif isinstance(cmd, Abort):
+            if self._streams.pop(cmd.rid, None) is not None:
+                self.engine.abort(cmd.rid)
+                self.metrics.requests_finished.labels(reason="abort").inc()
+        elif isinstance(cmd, Call):
             try:
-                fut.set_result(fn(self.engine))
+                cmd.done.set_result(cmd.fn(self.engine))
             except Exception as e:
-                fut.set_exception(e)
+                cmd.done.set_exception(e)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()
@@ -191,7 +230,7 @@ class AsyncEngine:
             if out.finished:
                 del self._streams[out.request_id]
                 m.e2e.observe(now - stream.arrival)
-                m.requests_finished.inc(1, reason=out.finish_reason)
+                m.requests_finished.labels(reason=out.finish_reason).inc()
             if out.finish_reason == "error":
                 out = RequestFailedError("the engine failed to run this request's step on the device (see the "
                                          "server log); other requests are unaffected, retrying may succeed")
@@ -199,21 +238,8 @@ class AsyncEngine:
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
 
-    def _update_gauges(self) -> None:
-        s = self.engine.scheduler
-        m = self.metrics
-        m.running.set(len(s.running))
-        m.waiting.set(len(s.waiting))
-        m.pages_total.set(s.pages.capacity)
-        m.pages_used.set(s.pages.capacity - s.pages.num_free)
-        if s.slots is not None:
-            m.slots_total.set(s.slots.capacity)
-            m.slots_used.set(s.slots.capacity - s.slots.num_free)
-        m.tree_snapshots.set(s.cache.num_snapshots)
-        m.tree_pages.set(s.cache.num_tree_pages)
-        m.preemptions.set(s.num_preemptions)
-        m.step_failures.set(self.engine.failed_steps)
-        m.checksum_mismatches.set(self.engine.snapshot_checksum_mismatches)
+    def _publish_stats(self) -> None:
+        self.metrics.engine_stats = self.engine.stats()
 
 
 def _put_all(items: list) -> None:

@@ -34,6 +34,7 @@ from typing import Any, Protocol, Sequence
 from jaxserve.engine.request import Request, Status
 from jaxserve.engine.scheduler import Scheduler, StepPlan
 from jaxserve.generate import SamplingParams
+from jaxserve.sampler import check_representable
 from jaxserve.tokenizer import IncrementalDecoder, Tokenizer
 
 
@@ -72,6 +73,27 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's load and monotonic counters, for metrics: taken between steps (on
+    the engine's thread), then safe to read anywhere. Pools count usable pages/slots (the reserved
+    null one excluded); a model without linear-attention layers has no slots (0 of 0)."""
+
+    running: int
+    waiting: int
+    pages_used: int
+    pages_total: int
+    slots_used: int
+    slots_total: int
+    tree_pages: int  # KV pages the prefix tree references
+    tree_snapshots: int  # linear-state slots the prefix tree holds
+    preemptions: int
+    failed_steps: int
+    checksum_mismatches: int  # debug_snapshot_checksums; must stay 0
+    cache: dict[str, int]  # the prefix cache's counters (CacheStats: queries, hits, hit tokens, ...)
+    barriers: dict[str, tuple[int, float]]  # where the host waited for the device: {site: (count, seconds)}
+
+
 class Engine:
     def __init__(self, scheduler: Scheduler, executor: Executor, vocab_size: int, tokenizer: Tokenizer | None = None,
                  debug_snapshot_checksums: bool = False, overlap: bool = False):
@@ -96,7 +118,10 @@ class Engine:
 
     def add_request(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None,
                     stop: Sequence[str] = (), request_id: str | None = None,
-                    cache_ids: Sequence[int] | None = None) -> str:
+                    cache_ids: Sequence[int] | None = None, images: Any = None) -> str:
+        """``images``: a prompt with images comes as ids with its placeholders expanded, the
+        content-keyed ``cache_ids`` and the ``ImagePrompt`` (all three from
+        ``jaxserve.multimodal.prompt.prepare``)."""
         sampling = sampling or SamplingParams()
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -109,10 +134,14 @@ class Engine:
         vocab = self.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        check_representable(sampling.temperature, sampling.top_k)
+        if any(not 0 <= t < vocab for t in sampling.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        req = Request(rid, prompt_ids, sampling, cache_ids=list(cache_ids) if cache_ids else None, stop=tuple(stop))
+        req = Request(rid, prompt_ids, sampling, cache_ids=list(cache_ids) if cache_ids else None, stop=tuple(stop),
+                      images=images)
         self.scheduler.add(req)
         self.requests[rid] = req
         if self.tokenizer is not None:
@@ -126,6 +155,20 @@ class Engine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._in_flight)
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        slots = s.slots
+        return EngineStats(
+            running=len(s.running), waiting=len(s.waiting),
+            pages_used=s.pages.capacity - s.pages.num_free, pages_total=s.pages.capacity,
+            slots_used=0 if slots is None else slots.capacity - slots.num_free,
+            slots_total=0 if slots is None else slots.capacity,
+            tree_pages=s.cache.num_tree_pages, tree_snapshots=s.cache.num_snapshots,
+            preemptions=s.num_preemptions, failed_steps=self.failed_steps,
+            checksum_mismatches=self.snapshot_checksum_mismatches, cache=s.cache.stats.as_dict(),
+            barriers={site: (b.count, b.seconds) for site, b in (("admission", s.admission_barriers),
+                                                                   ("donation", s.donation_barriers))})
 
     # ------------------------------------------------------------------ stepping
 
@@ -203,8 +246,8 @@ class Engine:
         text = req.text + dec.feed(req.output_ids[-1])
         if req.status is Status.FINISHED:
             text += dec.flush()
-        if req.stop:
-            start = max(0, len(req.text) - max(map(len, req.stop)) + 1)
+        if req.stop and len(text) > len(req.text):  # a new match must end in the new text: search only
+            start = max(0, len(req.text) - max(map(len, req.stop)) + 1)  # the window that can hold one
             hits = [i for i in (text.find(s, start) for s in req.stop) if i >= 0]
             if hits:
                 text = text[: min(hits)]

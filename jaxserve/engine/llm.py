@@ -30,6 +30,8 @@ from jaxserve.generate import SamplingParams
 from jaxserve.models import backends
 from jaxserve.models.gated_deltanet import use_conv_kernel, use_decode_kernel, use_prefill_kernel
 from jaxserve.models.layers import use_attention_kernel
+from jaxserve.multimodal.preprocess import ImageProcessing, decode, default_max_pixels, preprocess
+from jaxserve.multimodal.prompt import prepare
 from jaxserve.tokenizer import Tokenizer
 
 CPU_BUDGET_BYTES = 512 << 20  # a CPU device reports no memory; pools default to this budget there
@@ -61,6 +63,9 @@ class EngineArgs:
     # JAX's persistent compilation cache (startup.enable_compile_cache): True = $JAXSERVE_COMPILE_CACHE,
     # else ~/.cache/jaxserve/xla; False = off; or a directory.
     compile_cache: str | bool = True
+    # The resize clamp of image input (jaxserve/multimodal/preprocess.py): None = $JAXSERVE_IMAGE_MAX_PIXELS
+    # or ~1 Mpx.
+    image_max_pixels: int | None = None
 
 
 def _log(args: EngineArgs, msg: str) -> None:
@@ -181,9 +186,46 @@ class LLM:
     """Offline batch generation over the full engine (continuous batching, prefix cache)."""
 
     def __init__(self, model: str, **kwargs):
-        self.engine = build_engine(EngineArgs(model=model, **kwargs))
+        args = EngineArgs(model=model, **kwargs)
+        self.engine = build_engine(args)
+        cfg = self.engine.executor.cfg
+        self.images = None if cfg.vision is None else ImageInput(
+            ImageProcessing.from_checkpoint(model, cfg.vision).clamped(args.image_max_pixels or default_max_pixels()),
+            cfg.vision)
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 stop: Sequence[str] = ()) -> list[RequestOutput]:
-        return self.engine.generate(prompts, sampling_params, stop)
+                 stop: Sequence[str] = (), images: Sequence[Sequence] | None = None) -> list[RequestOutput]:
+        """``images[i]``: prompt i's images (Pillow images or encoded PNG / JPEG / WebP bytes), one per
+        image placeholder token in the prompt (``<|image_pad|>``, as the chat template writes it)."""
+        if not images or not any(images):
+            return self.engine.generate(prompts, sampling_params, stop)
+        if self.images is None:
+            raise ValueError("this model has no vision tower; it takes no images")
+        if len(images) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(images)} image lists")
+        samplings = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        rids = []
+        for prompt, sampling, imgs in zip(prompts, samplings, images):
+            ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            expanded, keys, image_prompt = self.images.prepare(ids, imgs or ())
+            rids.append(self.engine.add_request(expanded, sampling, stop, cache_ids=keys,
+                                                images=image_prompt if imgs else None))
+        held = {rid: self.engine.requests[rid] for rid in rids}
+        self.engine.run_until_done()
+        return [self.engine._output(held[rid]) for rid in rids]
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageInput:
+    """A model's image input: the clamped processor settings and the tower's tokens."""
+
+    processing: ImageProcessing
+    vision: object  # jaxserve.config.VisionConfig
+
+    def prepare(self, ids: Sequence[int], images: Sequence):
+        """Tokenized prompt + its images (Pillow images or encoded bytes) -> (expanded ids, cache ids,
+        ImagePrompt) for ``Engine.add_request``. Raises ``ImageError`` / ``ValueError`` on bad input."""
+        patches = [preprocess(decode(im) if isinstance(im, (bytes, bytearray)) else im, self.processing)
+                   for im in images]
+        return prepare(ids, patches, self.vision.image_token_id, self.vision.spatial_merge_size)

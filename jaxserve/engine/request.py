@@ -37,6 +37,7 @@ class Request:
     sampling: SamplingParams
     cache_ids: list[int] | None = None  # content keys (invariant 5); token ids for text prompts
     stop: tuple[str, ...] = ()
+    images: object | None = None  # jaxserve.multimodal.prompt.ImagePrompt of a prompt with images
 
     status: Status = Status.WAITING
     arrival: int = dataclasses.field(default_factory=lambda: next(_arrivals))
@@ -66,6 +67,20 @@ class Request:
         return self.prompt_ids + self.output_ids
 
     @property
+    def num_ids(self) -> int:
+        """``len(all_ids)``, without building it (the scheduler asks every step)."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def ids_between(self, start: int, stop: int) -> list[int]:
+        """``all_ids[start:stop]`` (0 <= start <= stop), without building ``all_ids``."""
+        p = len(self.prompt_ids)
+        if stop <= p:
+            return self.prompt_ids[start:stop]
+        if start >= p:
+            return self.output_ids[start - p:stop - p]
+        return self.prompt_ids[start:] + self.output_ids[:stop - p]
+
+    @property
     def all_cache_ids(self) -> list[int]:
         """Cache keys of every token so far: prompt keys, then output token ids."""
         return self.cache_ids + self.output_ids
@@ -78,4 +93,4 @@ class Request:
         0 once the request has sampled all ``max_tokens`` (the last may still be in flight)."""
         if len(self.output_ids) + self.num_inflight >= self.sampling.max_tokens:
             return 0
-        return len(self.all_ids) + self.num_inflight - self.num_computed
+        return self.num_ids + self.num_inflight - self.num_computed

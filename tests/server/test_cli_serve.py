@@ -4,7 +4,9 @@ waits for a compile."""
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures
+import dataclasses
 import signal
 import socket
 import subprocess
@@ -15,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.test_server import parse_metrics
+from tests.server.harness import parse_metrics
 
 KEY = "sk-cli"
 # --max-prefill-length 64 --max-running-requests 4: token buckets (32, 64), decode buckets (1, 2, 4)
@@ -64,7 +66,7 @@ def test_serve_default_model_streams_chat(served):
     startup = log_path.read_text()
     assert "serve config:" in startup and "served_model_name=tiny-default" in startup
     assert f"compiling {PROGRAMS} step programs" in startup and f"compiled {PROGRAMS} step programs in" in startup
-    assert startup.index("compiled in") < startup.index("Uvicorn running")  # ready only after the compile
+    assert startup.index("compiled in") < startup.index("Uvicorn running on")  # ready only after the compile
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
     assert [m.id for m in client.models.list().data] == ["tiny-default"]
     stream = client.chat.completions.create(model="tiny-default", messages=[{"role": "user", "content": "Hi!"}],
@@ -102,14 +104,56 @@ def test_no_request_waits_for_a_compile(served):
 
 
 def test_serve_bad_model_exits_2():
-    proc = subprocess.run([sys.executable, "-m", "jaxserve.cli", "serve", "--model", "/nonexistent", "--port", "1"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "jaxserve.cli", "serve", "--model", "/nonexistent", "--port",
+                           str(_free_port())], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "no such checkpoint folder" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize("flag, value, message", [("--mem-fraction", "0", "--mem-fraction must be in (0, 1]"),
-                                                  ("--compile-workers", "0", "--compile-workers must be >= 1")])
+                                                  ("--compile-workers", "0", "--compile-workers must be >= 1"),
+                                                  ("--request-read-timeout", "0", "--request-read-timeout must be > 0"),
+                                                  ("--limit-concurrency", "-1", "--limit-concurrency must be > 0")])
 def test_serve_bad_start_up_flags_exit_2(flag, value, message):
-    proc = subprocess.run([sys.executable, "-m", "jaxserve.cli", "serve", flag, value, "--port", "1"],
+    proc = subprocess.run([sys.executable, "-m", "jaxserve.cli", "serve", flag, value, "--port", str(_free_port())],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_serve_busy_port_exits_2_before_loading_the_model():
+    """The port is taken before the checkpoint loads and the step programs compile (minutes on a big
+    model), not found busy after them."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port)],
+                              capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in proc.stderr, proc.stderr
+    assert "loading" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_serve_help_says_every_flag_and_its_default():
+    """Every serve flag has help, each valued one says its default, and the engine's defaults are
+    EngineArgs' (said once)."""
+    from jaxserve.cli import build_parser
+    from jaxserve.engine.llm import EngineArgs
+    from server.limits import HTTPLimits
+
+    ap = build_parser()
+    serve = next(a for a in ap._subparsers._group_actions if a.dest == "command").choices["serve"]
+    for action in serve._actions:
+        if action.dest == "help" or action.help == argparse.SUPPRESS:
+            continue
+        assert action.help, action.option_strings
+        if action.nargs != 0:  # a flag that takes a value says what it is without one
+            assert "default" in action.help, action.option_strings
+    args = ap.parse_args(["serve"])
+    defaults = EngineArgs(model="m")
+    for name in ("dtype", "page_size", "max_prefill_length", "max_running_requests", "num_pages", "num_slots",
+                 "kernels", "mem_fraction", "compile_workers"):
+        assert getattr(args, name) == getattr(defaults, name), name
+    assert (args.timeout_keep_alive, args.request_read_timeout, args.limit_concurrency) == \
+        dataclasses.astuple(HTTPLimits())
+    text = " ".join(serve.format_help().split())
+    assert f"(default: {defaults.max_prefill_length})" in text
+    assert f"(default: {HTTPLimits().limit_concurrency})" in text
