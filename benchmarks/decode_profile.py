@@ -131,7 +131,7 @@ def main() -> None:
             for overlap in ((False, True) if k == 0 else (True,)):
                 engine.overlap = overlap
                 t0 = time.time()
-                decode_rate(engine, b, args.prompt_len, 8, seed=b)  # compiles this batch's programs
+                decode_rate(engine, b, args.prompt_len, args.new, seed=b)  # compiles every program the timed pass uses
                 compile_s = time.time() - t0
                 t0 = time.time()
                 outs = {}

@@ -1258,7 +1258,7 @@ def make_record(case, jax_res, peer_res, bandwidth_tbps, suite, matmul_tflops=No
                roofline_ms=round(roofline_ms, 5), roofline_basis=basis, date=DATE,
                ours_variant=best, jnp_ms=round(t(jax_res["jnp"]), 5) if "error" not in jax_res.get("jnp", {"error": 1}) else None,
                state_bytes=nbytes, copy_bandwidth_tbps=round(bandwidth_tbps, 3),
-               gpu="NVIDIA H200")
+               gpu=__import__("jax").devices()[0].device_kind)
     rec["ours_pct_roofline"] = round(100 * roofline_ms / rec["ours_ms"], 1) if rec["ours_ms"] else None
     rec["peer_pct_roofline"] = round(100 * roofline_ms / rec["peer_ms"], 1) if rec["peer_ms"] else None
     rec["jnp_pct_roofline"] = round(100 * roofline_ms / rec["jnp_ms"], 1) if rec["jnp_ms"] else None

@@ -72,7 +72,7 @@ def test_conv1d_kernel_where_the_conv_dim_fits(monkeypatch):
     from jaxserve.models import gated_deltanet
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert backends.AUTO_ON_GPU == {"gdn_decode", "gdn_prefill", "paged_attention", "conv1d"}
+    assert backends.AUTO_ON_GPU == {"gdn_decode", "gdn_prefill", "paged_attention", "conv1d", "moe"}
     cfg = dataclasses.replace(_cfg("auto"), linear_key_head_dim=64, linear_value_head_dim=64)
     assert cfg.linear_conv_dim % 128 == 0 and gated_deltanet.use_conv_kernel(cfg)
     assert not gated_deltanet.use_conv_kernel(dataclasses.replace(cfg, kernels="jnp"))
@@ -98,3 +98,23 @@ def test_auto_paged_attention_only_at_contract_head_dims(monkeypatch):
         assert layers.use_attention_kernel(cfg, jnp.bfloat16, 16) == (expect and "paged_attention" in backends.AUTO_ON_GPU)
         assert not layers.use_attention_kernel(cfg, jnp.float32, 16)  # bf16 / fp16 only
     assert layers.use_attention_kernel(dataclasses.replace(_cfg("pallas"), head_dim=64), jnp.bfloat16, 16)
+
+
+def test_moe_kernel_on_a_gpu_for_bf16_only(monkeypatch):
+    """moe passed gpu_check (2026-12-06): ``auto`` picks it on a GPU for bf16 / fp16 activations
+    and sizes its tiles divide; fp32 (tf32 WGMMA would be less precise) and misfits stay on jnp;
+    naming it on a misfit is an error."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.models import layers
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    cfg = dataclasses.replace(_cfg("auto"), hidden_size=2048, moe_intermediate_size=512)
+    assert layers.use_moe_kernel(cfg, jnp.bfloat16) and layers.use_moe_kernel(cfg, jnp.float16)
+    assert not layers.use_moe_kernel(cfg, jnp.float32)
+    assert not layers.use_moe_kernel(dataclasses.replace(cfg, kernels="jnp"), jnp.bfloat16)
+    misfit = dataclasses.replace(cfg, moe_intermediate_size=40)
+    assert not layers.use_moe_kernel(misfit, jnp.bfloat16)
+    with pytest.raises(ValueError, match="moe kernel does not take"):
+        layers.use_moe_kernel(dataclasses.replace(misfit, kernels="moe"), jnp.bfloat16)
