@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import datetime
 import json
-import math
 import os
 import subprocess
 import sys
@@ -222,7 +221,6 @@ def run_decode_jax(case, allowed=None):
     """Ours (each variant the GPU check passed) and the jnp reference under XLA on one decode case."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from pallas_kernels.gdn_decode import gdn_decode_jnp, gdn_decode_pool
 

@@ -2,10 +2,13 @@
 
     jaxserve serve [--model DIR] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--served-model-name NAME]
                    [engine flags: --dtype, --page-size, --max-prefill-length, --max-running-requests, ...]
-                   [HTTP limits: --timeout-keep-alive S, --request-read-timeout S, --limit-concurrency N]
+                   [HTTP limits: --timeout-keep-alive S, --request-read-timeout S, --limit-concurrency N,
+                    --max-body-bytes N] [images: --image-max-pixels N, --allow-image-urls,
+                    --max-images-per-request N, --image-fetch-timeout S]
     jaxserve generate [--model DIR] (--prompt TEXT | --prompt-ids 1,2,3 | --prompts-file F) [--max-tokens N]
                       [--temperature T] [--top-p P] [--top-k K] [--seed S] [--stop S] [--dtype float32|bfloat16]
-                      [--chat] [--ignore-eos] [--json] [engine flags: --page-size, --max-prefill-length, ...]
+                      [--chat] [--image FILE ...] [--image-max-pixels N] [--ignore-eos] [--json]
+                      [engine flags: --page-size, --max-prefill-length, ...]
     jaxserve probe --url URL [--reference-url URL2] [--n 500] [--concurrency 8] [--abort-fraction 0.3]
                    [--seed S] [--needle-tokens MIN MAX] [--json] [--api-key K] [--model NAME]
 
@@ -74,24 +77,58 @@ def _read_prompts_file(path: str) -> list:
 
 
 def _generate(args: argparse.Namespace) -> list[dict]:
-    from jaxserve.engine.llm import build_engine
+    from jaxserve.engine.llm import LLM
     from jaxserve.generate import SamplingParams
 
-    engine = build_engine(_engine_args(args, progress=not args.json))
     if args.prompt_ids is not None:
         prompts = [_parse_ids(args.prompt_ids)]
     elif args.prompts_file is not None:
         prompts = _read_prompts_file(args.prompts_file)
     else:
         prompts = [args.prompt]
+    files = [_read_image_file(f) for f in args.image or ()]  # unreadable files fail before the model loads
+    llm = LLM.from_args(_engine_args(args, progress=not args.json))
+    engine = llm.engine
+    images = _load_images(llm, files) if files else None
+    if images:  # one placeholder per image before a text prompt's text, unless the text already has them
+        mark = llm.images.placeholder
+        if mark is None and any(isinstance(p, str) for p in prompts):
+            raise UsageError(f"--image: the model's tokenizer has no image placeholder token "
+                             f"({llm.images.no_placeholder}); pass --prompt-ids with one image token "
+                             f"({llm.images.vision.image_token_id}) per image")
+        prompts = [p if not isinstance(p, str) or mark in p else mark * len(images) + p for p in prompts]
     if args.chat:
         prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
                    if isinstance(p, str) else p for p in prompts]
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
-    outs = engine.generate(prompts, sampling, stop=tuple(args.stop or ()))
+    outs = llm.generate(prompts, sampling, stop=tuple(args.stop or ()),
+                        images=[images] * len(prompts) if images else None)
     return [{"output_ids": o.output_ids, "text": o.text, "logprobs": o.logprobs, "finish_reason": o.finish_reason,
              "prompt_tokens": len(o.prompt_token_ids), "cached_tokens": o.cached_tokens} for o in outs]
+
+
+def _read_image_file(path: str) -> tuple[str, bytes]:
+    try:
+        return path, Path(path).read_bytes()
+    except OSError as e:
+        raise UsageError(f"--image {path}: cannot read it: {e.strerror or e}") from None
+
+
+def _load_images(llm, files: list[tuple[str, bytes]]) -> list:
+    """``--image`` files (path, bytes), decoded and preprocessed for ``llm``'s tower (they go with
+    every prompt)."""
+    from jaxserve.multimodal.preprocess import ImageError
+
+    if llm.images is None:
+        raise UsageError("--image: this model has no vision tower; it takes no images")
+    out = []
+    for path, data in files:
+        try:
+            out.append(llm.images.load(data))
+        except ImageError as e:
+            raise UsageError(f"--image {path}: {e}") from None
+    return out
 
 
 def _engine_args(args: argparse.Namespace, progress: bool):
@@ -101,6 +138,11 @@ def _engine_args(args: argparse.Namespace, progress: bool):
         raise UsageError(f"--mem-fraction must be in (0, 1], got {args.mem_fraction}")
     if args.compile_workers < 1:
         raise UsageError(f"--compile-workers must be >= 1, got {args.compile_workers}")
+    if args.tensor_parallel_size < 1 or (args.expert_parallel and args.tensor_parallel_size < 2):
+        raise UsageError(f"--tensor-parallel-size must be >= 1 (and >= 2 with --expert-parallel), "
+                         f"got {args.tensor_parallel_size}")
+    if args.image_max_pixels is not None and args.image_max_pixels < 1:
+        raise UsageError(f"--image-max-pixels must be >= 1, got {args.image_max_pixels}")
     from jaxserve.engine.policy import make_policy
 
     make_policy(args.policy)  # an unknown policy is a usage error before anything loads
@@ -111,7 +153,8 @@ def _engine_args(args: argparse.Namespace, progress: bool):
         overlap_schedule=not args.disable_overlap_schedule, mem_fraction=args.mem_fraction,
         compile_all=args.command == "serve", compile_workers=args.compile_workers,
         compile_cache=False if args.no_compile_cache else (args.compile_cache or True),
-        progress=progress, **({"max_model_len": args.max_model_len, "debug_snapshot_checksums": args.debug_snapshot_checksums,
+        image_max_pixels=args.image_max_pixels, tensor_parallel_size=args.tensor_parallel_size,
+        expert_parallel=args.expert_parallel, progress=progress, **({"max_model_len": args.max_model_len, "debug_snapshot_checksums": args.debug_snapshot_checksums,
             "debug_fault": args.debug_inject_fault} if args.command == "serve" else {}))
 
 
@@ -119,14 +162,14 @@ def _serve(args: argparse.Namespace) -> int:
     import time
 
     from jaxserve.engine import startup
-    from jaxserve.engine.llm import build_engine
+    from jaxserve.engine.llm import build_engine, image_input
     from jaxserve.generate import SamplingParams
 
     try:
         from server import http
         from server.app import create_app
         from server.async_engine import AsyncEngine
-        from server.limits import HTTPLimits
+        from server.limits import HTTPLimits, ImageLimits
         from server.metrics import Metrics
     except ImportError as e:
         raise UsageError(f"the server needs the 'server' extra (pip install -e '.[server]'): {e}") from None
@@ -137,6 +180,14 @@ def _serve(args: argparse.Namespace) -> int:
                             limit_concurrency=args.limit_concurrency)
     except ValueError as e:
         raise UsageError(f"--{str(e).replace('_', '-')}") from None
+    if args.max_images_per_request < 1:
+        raise UsageError(f"--max-images-per-request must be >= 1, got {args.max_images_per_request}")
+    if not args.image_fetch_timeout > 0:
+        raise UsageError(f"--image-fetch-timeout must be > 0, got {args.image_fetch_timeout}")
+    if args.max_body_bytes is not None and args.max_body_bytes < 1:
+        raise UsageError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    image_limits = ImageLimits(max_images=args.max_images_per_request, allow_urls=args.allow_image_urls,
+                               fetch_timeout=args.image_fetch_timeout)
     eargs = _engine_args(args, progress=True)
     try:  # take the port before the model loads and compiles: a busy port fails now, not minutes later
         sock = http.bind_socket(args.host, args.port)
@@ -149,9 +200,13 @@ def _serve(args: argparse.Namespace) -> int:
         ("api_key", "set" if args.api_key else "none"), ("dtype", eargs.dtype), ("page_size", eargs.page_size),
         ("max_prefill_length", eargs.max_prefill_length), ("max_running_requests", eargs.max_running_requests),
         ("max_model_len", eargs.max_model_len), ("num_pages", eargs.num_pages), ("num_slots", eargs.num_slots),
-        ("policy", eargs.policy), ("kernels", eargs.kernels), ("debug_snapshot_checksums", eargs.debug_snapshot_checksums),
+        ("policy", eargs.policy), ("kernels", eargs.kernels), ("tensor_parallel_size", eargs.tensor_parallel_size),
+        ("expert_parallel", eargs.expert_parallel), ("debug_snapshot_checksums", eargs.debug_snapshot_checksums),
         ("mem_fraction", eargs.mem_fraction), ("compile_cache", eargs.compile_cache),
-        ("compile_workers", eargs.compile_workers), *dataclasses.asdict(limits).items()]))
+        ("compile_workers", eargs.compile_workers), ("max_body_bytes", args.max_body_bytes or "default"),
+        *dataclasses.asdict(limits).items(), ("image_max_pixels", eargs.image_max_pixels or "default"),
+        ("allow_image_urls", image_limits.allow_urls), ("max_images_per_request", image_limits.max_images),
+        ("image_fetch_timeout", image_limits.fetch_timeout)]))
     if eargs.debug_fault:
         log(f"WARNING: --debug-inject-fault {eargs.debug_fault}: cache hits are corrupted on purpose (tests only)")
     t0 = time.perf_counter()
@@ -161,6 +216,9 @@ def _serve(args: argparse.Namespace) -> int:
     t1, steps = time.perf_counter(), startup.step_compiles()
     warm = engine.tokenizer.encode("Hello") or [0]
     engine.generate([warm], SamplingParams(max_tokens=2, ignore_eos=True))
+    images = image_input(eargs, engine)  # says the resize clamp once
+    if images is not None:  # one image through the tower and the scatter (compiles the tower's smallest bucket)
+        _warm_up_image(engine, images, warm)
     engine.scheduler.cache.flush()  # the warm-up leaves nothing behind
     engine.check_invariants()
     if startup.step_compiles() > steps:
@@ -176,7 +234,8 @@ def _serve(args: argparse.Namespace) -> int:
                     "became ready; stays 0 when no request waits for a compile.",
                     lambda: startup.backend_compiles() - ready)
     async_engine = AsyncEngine(engine, metrics).start()
-    app = create_app(async_engine, served_model_name=name, api_key=args.api_key)
+    app = create_app(async_engine, served_model_name=name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                     images=images, image_limits=image_limits)
     config = http.uvicorn_config(app, args.host, args.port, limits, log_level=args.log_level)
     try:
         http.serve(config, sock)
@@ -184,6 +243,20 @@ def _serve(args: argparse.Namespace) -> int:
         async_engine.stop()
         sock.close()
     return 0
+
+
+def _warm_up_image(engine, images, text_ids: list[int]) -> None:
+    """One small image request through the engine (the vision tower compiles once per power-of-two
+    patch bucket: this compiles the smallest; a larger image's first request compiles its own)."""
+    from PIL import Image
+
+    from jaxserve.generate import SamplingParams
+
+    v = images.vision
+    ids = [v.vision_start_token_id, v.image_token_id, v.vision_end_token_id] + list(text_ids)
+    expanded, keys, prompt = images.prepare(ids, [Image.new("RGB", (images.processing.factor,) * 2, (128, 128, 128))])
+    engine.add_request(expanded, SamplingParams(max_tokens=2, ignore_eos=True), cache_ids=keys, images=prompt)
+    engine.run_until_done()
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -223,6 +296,17 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-compile-cache", action="store_true", help="no persistent compilation cache")
     p.add_argument("--compile-workers", type=int, default=d["compile_workers"], metavar="N",
                    help="serve: step programs compiled at once at start-up (default: %(default)s)")
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=d["tensor_parallel_size"], metavar="N",
+                   help="split the model over N local devices: heads, MLP and expert intermediates, KV pages and "
+                        "linear-state slots by head (the jnp backends run; default: %(default)s)")
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="with --tensor-parallel-size: split routed experts by expert id instead of by intermediate")
+    from jaxserve.multimodal.preprocess import DEFAULT_MAX_PIXELS, MAX_PIXELS_ENV
+
+    p.add_argument("--image-max-pixels", type=int, default=d["image_max_pixels"], metavar="N",
+                   help=f"models with a vision tower: an image larger than N pixels is resized down to at most N "
+                        f"(aspect kept), bounding its soft tokens (default: ${MAX_PIXELS_ENV}, else "
+                        f"{DEFAULT_MAX_PIXELS} = ~1 Mpx)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -250,6 +334,18 @@ def build_parser() -> argparse.ArgumentParser:
                          "response is not timed) (default: %(default)s)")
     sv.add_argument("--limit-concurrency", type=int, default=HTTPLimits.limit_concurrency, metavar="N",
                     help="answer 503 beyond N open connections or requests in progress (default: %(default)s)")
+    from server.limits import ImageLimits
+
+    sv.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
+                    help="answer 413 to a request body over N bytes (default: 8 MiB, 32 MiB for a model that takes "
+                         "images)")
+    sv.add_argument("--allow-image-urls", action="store_true",
+                    help="fetch http(s) image URLs in chat requests (default: off, a 400 asks for a data: URL; on, "
+                         "clients can make the server fetch any URL it can reach)")
+    sv.add_argument("--max-images-per-request", type=int, default=ImageLimits.max_images, metavar="N",
+                    help="answer 400 to a chat request with more than N images (default: %(default)s)")
+    sv.add_argument("--image-fetch-timeout", type=float, default=ImageLimits.fetch_timeout, metavar="S",
+                    help="with --allow-image-urls: seconds one image's fetch may take in all (default: %(default)s)")
     sv.add_argument("--debug-snapshot-checksums", action="store_true",
                     help="checksum every prefix-cache snapshot on donation and before each hit (metric: "
                          "jaxserve_snapshot_checksum_mismatches)")
@@ -266,6 +362,11 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompts-file", help="several prompts, one per line (text or JSON {prompt|prompt_ids}); "
                                             "they run together through the engine and share its prefix cache")
     g.add_argument("--chat", action="store_true", help="wrap text prompts as a user message with the chat template")
+    g.add_argument("--image", action="append", metavar="FILE",
+                   help="a PNG / JPEG / WebP image for a model with a vision tower (repeatable; in order, with every "
+                        "prompt): a text prompt gets one image placeholder per image before its text unless it holds "
+                        "them (<|vision_start|><|image_pad|><|vision_end|>); --prompt-ids must hold one image token "
+                        "per image")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--max-tokens", type=int, default=16)
     g.add_argument("--temperature", type=float, default=0.0)

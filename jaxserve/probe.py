@@ -11,7 +11,7 @@ repeat waits until its prompt's cold answer has finished, so it can hit the pref
 ``abort_fraction`` of the requests are abandoned streams (closed after 0-3 tokens, before or
 during decode) scattered among them, and ``concurrency`` streams are in flight at all times.
 
-What it checks (``analyze``), DESIGN.md invariant 6, "hit equals cold": every later completion of
+What it checks (``analyze``), ARCHITECTURE.md invariant 6, "hit equals cold": every later completion of
 a prompt must equal its cold (first) completion -- token by token when the server returns
 logprobs tokens, else by text. A difference is a **hit-vs-cold mismatch**; with
 ``--reference-url`` every completion is also compared with the other server's answer to the

@@ -31,12 +31,11 @@ narrow for TMA), shifts in x, writes the new state and y. No SMEM.
 
 Contract: ``C % 128 == 0`` (one warpgroup per channel block); any T (padded to ``block_t`` here).
 
-Status (2026-12-03, session 5): passes ``benchmarks/gpu_check.py --suites conv1d`` on the H200 (7/7:
-ragged prefill to 64k tokens with x64 snapshots, update at batch 64 / 512, bf16 and fp32; states
-bit-exact) and is in ``jaxserve.models.backends.AUTO_ON_GPU``. Speed (``benchmarks/RESULTS.md`` run 5):
-prefill 53-62 % of the HBM roofline, 1.22-1.33x fla's ``causal_conv1d``; update 48-62 %, 0.49-0.60x
-fla's ``causal_conv1d_update`` (one program per row and channel block: the next thing to tune),
-and both faster than XLA.
+On the GPU, ``benchmarks/gpu_check.py --suites conv1d`` checks it (ragged prefill to 64k tokens with
+x64 snapshots, the update at large batches, bf16 and fp32; states bit-exact to the float64 oracle's
+rounding); it is in ``jaxserve.models.backends.AUTO_ON_GPU``. Speed against fla and XLA:
+``benchmarks/RESULTS.md`` ("conv1d"); the update (one program per row and channel block) is the
+part to tune.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Same contract and results as ``gdn_reference.gdn_chunked`` / ``kda_reference.kda
 tokens (``cu_seqlens``), one initial state per sequence, chunks aligned to ABSOLUTE multiples of 64
 (``start_pos``: a sequence resumed at position 37 has a first chunk of 27 tokens, so a prompt
 prefilled in pieces computes the same chunks and its chunk ends are the radix cache's ×64 snapshot
-boundaries, DESIGN.md invariant 1), the final state of every sequence and the states at the
+boundaries, ARCHITECTURE.md invariant 1), the final state of every sequence and the states at the
 requested ``(snapshot_seq, snapshot_len)`` boundaries.
 
 Split of the work (first version):
@@ -47,10 +47,10 @@ Contract: ``dk % 64 == 0``, ``dv % block_dv == 0`` with ``block_dv % 64 == 0`` (
 ``chunk_size == 64``, SMEM within 227 KiB (``block_dv=64`` at ``dk=128``). Tokens past
 ``cu_seqlens[-1]`` are padding (output 0).
 
-Status (2026-12-02): passes ``benchmarks/gpu_check.py --suites chunked`` on the H200 (GDN and KDA,
-ragged, every boundary snapshotted, bf16 and fp32) and is the default GPU prefill path
-(``jaxserve.models.backends``). Speed (``benchmarks/RESULTS.md``): 4.5-6.7x the XLA reference, but
-0.66x fla's Triton kernel at 8k tokens; the intra-chunk terms (XLA) are the part to move on chip.
+On the GPU, ``benchmarks/gpu_check.py --suites chunked`` checks it (GDN and KDA, ragged, every
+boundary snapshotted, bf16 and fp32); it is the default GPU prefill path (``jaxserve.models.backends``).
+Speed: ``benchmarks/RESULTS.md`` ("Chunked prefill"): faster than the XLA reference, slower than
+fla's Triton kernel; the intra-chunk terms (XLA) are the part to move on chip.
 """
 
 from __future__ import annotations

@@ -34,8 +34,7 @@ Two schedules of those tiles (``persistent``):
   through a ring of ``stages`` SMEM buffers: while tile i is computed, the copies of tiles
   i+1 .. i+stages-1 are in flight and the store of tile i-1 drains; the scalars a tile needs are
   read ``stages`` tiles ahead and carried, so no dependent global load sits on the critical path.
-  On the H200 (2026-12-02) it was 1.15x faster than the simple schedule at batch 64 and 256
-  (benchmarks/RESULTS.md).
+  On the H200 it was 1.15x faster than the simple schedule at batch 64 and 256.
 
 Serving form (``gdn_decode_pool`` with ``layer``, ``write_slots``, ``fresh``): the pool is the
 engine's ``[layers, slots, Hv, dk, dv]`` stack and ``layer`` (static) picks one; row ``b`` reads

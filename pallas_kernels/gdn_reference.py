@@ -44,7 +44,7 @@ def gdn_chunked(q, k, v, g, beta, *, cu_seqlens, initial_state=None, scale=None,
     """GDN in chunked (UT transform / WY) form on a ragged batch; same outputs as ``gdn_recurrent``.
 
     ``start_pos [N]`` (default 0) is each sequence's absolute position at its first token here;
-    chunks are aligned to absolute multiples of ``chunk_size`` (DESIGN.md invariant 1: chunk ends
+    chunks are aligned to absolute multiples of ``chunk_size`` (ARCHITECTURE.md invariant 1: chunk ends
     are the radix cache's ×64 snapshot boundaries). Snapshots are available only at lengths 0, the
     whole sequence, or ``(start_pos + len) % chunk_size == 0``: others raise ``ValueError`` when
     concrete and come back NaN under ``jit``. ``max_chunks`` (static) defaults to a bound that fits

@@ -25,7 +25,7 @@ Contract shared by every function here (ragged layout: see ``pallas_kernels/__in
 * Snapshots ``[S, Hv, dk, dv]``: the state of ``snapshot_seq[s]`` after ``snapshot_len[s]`` of its
   tokens in this call. An invalid request (length out of range; in the chunked form a length that
   is not a chunk boundary) raises ``ValueError`` when the indices are concrete, and yields NaN
-  under ``jit``, so it can never pass silently (DESIGN.md invariant 1).
+  under ``jit``, so it can never pass silently (ARCHITECTURE.md invariant 1).
 
 The recurrent form is one ``lax.scan`` over tokens; the chunked form lays the ragged tokens out on
 a grid of chunks aligned to ABSOLUTE positions (``start_pos``), does the intra-chunk UT-transform

@@ -14,11 +14,19 @@ Contract with clients:
   API key (when one is set; ``/health`` and ``/metrics`` stay open), 404 unknown model
   (``model_not_found``, checked before any tokenizing), 413 a body over ``max_body_bytes``. A
   prompt that cannot fit the context is a 400 ``context_length_exceeded``: a text prompt longer
-  than ``max_prompt_chars`` is refused before it is tokenized. Errors of the HTTP layer below the
+  than ``max_prompt_chars`` is refused before it is tokenized. A bad image part is a 400 naming
+  the part (server/images.py lists them), and a request is added to the engine only after all its
+  images decoded. Errors of the HTTP layer below the
   app (unparsable HTTP, read timeouts, the connection limit) are JSON too: ``server/http.py``.
-- The event loop never tokenizes or renders a chat template: both run in a worker thread (and the
-  tokenizer releases the GIL), so ``/health`` and streams stay responsive while a long prompt is
-  prepared.
+- The event loop never tokenizes, renders a chat template or touches an image's bytes: all of it
+  (and fetching an image URL) runs in a worker thread (the tokenizer and Pillow's decoders release
+  the GIL), so ``/health`` and streams stay responsive while a long prompt is prepared.
+- Images (``create_app(images=ImageInput)``; chat only): each ``image_url`` part becomes the model's
+  placeholder text (``<|vision_start|><|image_pad|><|vision_end|>``, what the Qwen3.5 / Qwen3-VL
+  templates write for an image) where the part is, so any chat template places it; the rendered
+  prompt must then hold exactly one image token per part. Each placeholder is expanded to the
+  image's soft tokens (``usage.prompt_tokens`` counts them) and keyed on the image's content in the
+  prefix cache.
 - A request ends in the engine however the client leaves: finished, disconnected mid-stream or
   mid-wait (polled every ``DISCONNECT_POLL_S``), or the handler failing; ``abort`` is posted in a
   ``finally`` and is a no-op for a request that already finished.
@@ -47,11 +55,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve.engine.engine import RequestOutput
 from jaxserve.generate import SamplingParams
+from server import images as image_parts
 from server.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from server.limits import ImageLimits
 from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, ModelCard, _Request, new_id, now,
                              parse_body, usage)
 
 MAX_BODY_BYTES = 8 << 20
+MAX_BODY_BYTES_IMAGES = 32 << 20  # the default body cap of a server that takes images (base64 inflates them 4/3)
 DISCONNECT_POLL_S = 0.5
 
 
@@ -66,6 +77,11 @@ class ServerState:
     context: int  # longest prompt + output one request may have
     max_prompt_chars: int  # a text longer than this cannot fit ``context`` tokens (``max_prompt_chars``)
     token_text: Callable[[int], str]
+    # Image input (jaxserve.engine.llm.ImageInput) when the server takes images, else None and
+    # ``no_images`` says why (the 400 an image part gets).
+    images: Any = None
+    no_images: str = ""
+    image_limits: ImageLimits = ImageLimits()
 
 
 def max_prompt_chars(tokenizer, context: int) -> int:
@@ -80,17 +96,29 @@ def max_prompt_chars(tokenizer, context: int) -> int:
 
 
 def create_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int | None = None, images=None,
+               image_limits: ImageLimits = ImageLimits()) -> FastAPI:
+    """``images``: the model's ``jaxserve.engine.llm.ImageInput`` (``image_input``) to take images in
+    chat requests; None takes none. ``max_body_bytes``: default ``MAX_BODY_BYTES``, or
+    ``MAX_BODY_BYTES_IMAGES`` when the server takes images."""
     engine = async_engine.engine
     sched = engine.scheduler
     context = min(sched.max_pages_per_seq, sched.pages.capacity) * sched.page_size  # page table, and whole pool
     tokenizer = engine.tokenizer
+    has_tower = getattr(getattr(getattr(engine, "executor", None), "cfg", None), "vision", None) is not None
+    no_images = ("it has no vision tower" if not has_tower else "this server was started without image input"
+                 if images is None else "" if images.placeholder else
+                 f"its tokenizer has no image placeholder token ({images.no_placeholder}), so a chat prompt "
+                 f"cannot mark where an image goes")
+    if max_body_bytes is None:
+        max_body_bytes = MAX_BODY_BYTES_IMAGES if not no_images else MAX_BODY_BYTES
     app = FastAPI(title="jaxserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.async_engine = async_engine
     app.state.server = ServerState(
         engine=async_engine, model_name=served_model_name, tokenizer=tokenizer, vocab_size=engine.vocab_size,
         context=context, max_prompt_chars=max_prompt_chars(tokenizer, context),
-        token_text=_TokenText(tokenizer))
+        token_text=_TokenText(tokenizer), images=None if no_images else images, no_images=no_images,
+        image_limits=image_limits)
     for exc in (APIError, StarletteHTTPException, EngineDeadError, RequestFailedError, Exception):
         app.add_exception_handler(exc, _error_response)
     app.include_router(router)
@@ -288,7 +316,13 @@ async def chat_completions(request: Request):
     _check_request(st, body)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true.", param="top_logprobs", code="invalid_value")
-    messages = body.template_messages()
+    messages, parts = body.template_messages(st.images.placeholder if st.images else "")
+    if parts:  # the checks that need no I/O, before any work is queued
+        if st.images is None:
+            raise image_parts.refused(st.model_name, st.no_images, parts[0])
+        image_parts.check_count(parts, st.image_limits)
+        for part in parts:
+            image_parts.check_url(part, st.image_limits)
 
     def render() -> str:
         try:
@@ -300,12 +334,38 @@ async def chat_completions(request: Request):
     prompt_ids = await _encode(st, await asyncio.to_thread(render), "messages")
     if not prompt_ids:
         raise APIError(400, "The rendered prompt is empty.", param="messages", code="invalid_value")
+    cache_ids = image_prompt = None
+    if st.images is not None:
+        prompt_ids, cache_ids, image_prompt = await _with_images(st, prompt_ids, parts)
     if body.max_completion_tokens is not None:
         max_tokens, param = body.max_completion_tokens, "max_completion_tokens"
     else:
         max_tokens, param = body.max_tokens, "max_tokens"
     sp = _sampling(st, body, len(prompt_ids), max_tokens, param, "messages", default_max=None)
-    return await _respond(request, st, body, prompt_ids, sp, "messages", _ChatShape(st, body))
+    return await _respond(request, st, body, prompt_ids, sp, "messages", _ChatShape(st, body), cache_ids=cache_ids,
+                          images=image_prompt)
+
+
+async def _with_images(st: ServerState, prompt_ids: list[int], parts: list) -> tuple[list[int], Any, Any]:
+    """A rendered chat prompt of a server that takes images, and its image parts -> (ids with each
+    image's placeholder expanded to its soft tokens, content-keyed cache ids, ImagePrompt); without
+    images, the ids as they are. Every image part became one placeholder token where the template
+    put it; a prompt with any other count (the template dropped a part, or the text itself holds the
+    placeholder token) is a 400 before any image is decoded."""
+    vision = st.images.vision
+    found = prompt_ids.count(vision.image_token_id)
+    if found != len(parts):
+        raise APIError(400, f"The rendered prompt has {found} image placeholders for {len(parts)} images: the text "
+                            f"must not contain the image placeholder {st.images.placeholder!r} itself"
+                            f"{', and the chat template must keep every image part' if found < len(parts) else ''}.",
+                       param="messages", code="invalid_value")
+    if not parts:
+        return prompt_ids, None, None
+    patches = await image_parts.in_worker(image_parts.load_images, parts, st.images, st.image_limits)
+    try:  # digests (blake2b over the patches) and rotary positions: off the event loop too
+        return await image_parts.in_worker(st.images.prepare, prompt_ids, patches)
+    except ValueError as e:
+        raise APIError(400, f"The images do not fit the prompt: {e}.", param="messages", code="invalid_value") from None
 
 
 class _ChatShape:
@@ -390,11 +450,11 @@ def _sampling(st: ServerState, body: _Request, prompt_len: int, max_tokens: int 
 
 
 async def _respond(request: Request, st: ServerState, body: _Request, prompt_ids: list[int], sp: SamplingParams,
-                   prompt_param: str, shape) -> Any:
+                   prompt_param: str, shape, cache_ids: list[int] | None = None, images: Any = None) -> Any:
     """Submit the request and answer it: the whole JSON, or an SSE stream of ``shape``'s chunks."""
     stop = body.stop_strings()
     try:
-        rid, q = await st.engine.add(prompt_ids, sp, stop)
+        rid, q = await st.engine.add(prompt_ids, sp, stop, cache_ids=cache_ids, images=images)
     except ValueError as e:
         raise APIError(400, str(e), param=prompt_param, code="invalid_value") from None
     cid, created, n_prompt = new_id(shape.id_prefix), now(), len(prompt_ids)

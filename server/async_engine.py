@@ -63,6 +63,8 @@ class Add:
     stop: tuple[str, ...]
     stream: _Stream
     done: concurrent.futures.Future
+    cache_ids: list[int] | None = None  # a prompt with images: its content-keyed cache ids
+    images: Any = None  # ... and its ImagePrompt (jaxserve.multimodal.prompt.prepare)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,17 +120,20 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ asyncio side
 
-    async def add(self, prompt_ids: Sequence[int], sampling: SamplingParams, stop: Sequence[str] = ()) -> tuple[str, asyncio.Queue]:
+    async def add(self, prompt_ids: Sequence[int], sampling: SamplingParams, stop: Sequence[str] = (),
+                  cache_ids: Sequence[int] | None = None, images: Any = None) -> tuple[str, asyncio.Queue]:
         """Queue a request; returns its id and the queue its outputs arrive on (a ``RequestOutput``
         per step that produced something, the last one ``finished``; or an exception). Raises
-        ``ValueError`` if the engine rejects the request (the caller's 400)."""
+        ``ValueError`` if the engine rejects the request (the caller's 400). A prompt with images
+        comes with its placeholders expanded, its ``cache_ids`` and its ``ImagePrompt``."""
         self._check_alive()
         loop = asyncio.get_running_loop()
         rid = f"srv-{next(self._ids)}"
         q: asyncio.Queue = asyncio.Queue()
         fut: concurrent.futures.Future = concurrent.futures.Future()
         stream = _Stream(q, loop, time.perf_counter(), len(prompt_ids))
-        self._inbox.put(Add(rid, list(prompt_ids), sampling, tuple(stop), stream, fut))
+        self._inbox.put(Add(rid, list(prompt_ids), sampling, tuple(stop), stream, fut,
+                            None if cache_ids is None else list(cache_ids), images))
         await asyncio.wrap_future(fut)
         return rid, q
 
@@ -179,7 +184,7 @@ class AsyncEngine:
         except BaseException as e:  # a bug in the engine: fail every request, refuse new ones
             self.error = e
             traceback.print_exc(file=sys.stderr)
-            for rid, stream in list(self._streams.items()):
+            for stream in list(self._streams.values()):
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineDeadError(f"engine failed: {e!r}"))
             self._streams.clear()
             while True:  # fail whatever is still queued, so no caller waits forever
@@ -193,7 +198,8 @@ class AsyncEngine:
     def _handle(self, cmd: Command) -> None:
         if isinstance(cmd, Add):
             try:
-                self.engine.add_request(cmd.prompt_ids, cmd.sampling, stop=cmd.stop, request_id=cmd.rid)
+                self.engine.add_request(cmd.prompt_ids, cmd.sampling, stop=cmd.stop, request_id=cmd.rid,
+                                        cache_ids=cmd.cache_ids, images=cmd.images)
             except Exception as e:  # ValueError: bad prompt / too long / out of range; reported as a 400
                 cmd.done.set_exception(e)
                 return

@@ -1,7 +1,9 @@
-"""What one client may hold of the HTTP server, with the defaults ``jaxserve serve``'s flags show.
+"""What one client may hold of the HTTP server (connections, and the images a request carries),
+with the defaults ``jaxserve serve``'s flags show.
 
 Imports nothing heavy, so the CLI can read the defaults without the server's dependencies;
-``server/http.py`` applies them (its docstring says which layer answers what).
+``server/http.py`` applies ``HTTPLimits`` (its docstring says which layer answers what),
+``server/images.py`` ``ImageLimits``.
 """
 
 from __future__ import annotations
@@ -19,3 +21,18 @@ class HTTPLimits:
         for f in dataclasses.fields(self):
             if not getattr(self, f.name) > 0:
                 raise ValueError(f"{f.name} must be > 0, got {getattr(self, f.name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageLimits:
+    """What one chat request may carry as images (server/images.py applies them)."""
+
+    max_images: int = 32  # image parts per request; beyond: 400 too_many_images
+    max_image_bytes: int = 20 << 20  # encoded bytes of one image (a data: URL is also bounded by the body cap)
+    allow_urls: bool = False  # fetch http(s) image URLs (off: a 400 asks for a data: URL)
+    fetch_timeout: float = 10.0  # s a whole fetch may take (connect, each read, and the transfer)
+
+    def __post_init__(self):
+        for name in ("max_images", "max_image_bytes", "fetch_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

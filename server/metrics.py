@@ -117,7 +117,7 @@ class _Snapshot:
             help = _CACHE_HELP.get(field, f"Prefix cache: {field}.")
             yield CounterMetricFamily(f"{PREFIX}prefix_cache_{field}", help, value=float(value))
         count = CounterMetricFamily(PREFIX + "barriers", "Times the host waited for the device to finish its "
-                                    "dispatched steps (DESIGN.md invariant 3), by site.", labels=["site"])
+                                    "dispatched steps (ARCHITECTURE.md invariant 3), by site.", labels=["site"])
         seconds = CounterMetricFamily(PREFIX + "barrier_seconds", "Seconds the host spent waiting in those barriers, "
                                       "by site.", labels=["site"])
         for site, (n, secs) in st.barriers.items():

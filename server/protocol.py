@@ -15,6 +15,11 @@ field we know and cannot honour (n > 1, best_of, logit_bias, tools, echo, penalt
 400 that names it: silently ignoring it would return something the client did not ask for.
 Extensions beyond OpenAI's API, with vLLM's names: ``top_k``, ``ignore_eos``, ``stop_token_ids``.
 
+Chat content parts: ``text`` and ``image_url`` (OpenAI's ``{"type": "image_url", "image_url": {"url":
+..., "detail": ...}}``; ``detail``, any string, is accepted and ignored: the resize clamp decides an
+image's size). ``message_text`` writes an image part as the model's placeholder text and collects
+it; server/images.py turns its URL into the engine's input, or a 400.
+
 To add a request field: declare it on the model with its constraints; to add a chat content part
 type: ``message_text`` is the one place that reads content parts.
 """
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal, Optional, TypeVar, Union
+from typing import Annotated, Any, Literal, NamedTuple, Optional, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -155,29 +160,70 @@ class ChatCompletionRequest(_Request):
             out.append(("response_format", "response_format other than {\"type\": \"text\"} is not supported"))
         return out
 
-    def template_messages(self) -> list[dict[str, Any]]:
-        """The messages as dicts for the chat template, content parts joined to text."""
-        out = []
+    def template_messages(self, image_placeholder: str = "") -> tuple[list[dict[str, Any]], list["ImagePart"]]:
+        """The messages as dicts for the chat template, content parts joined to text (each image part
+        as ``image_placeholder``), and the image parts in prompt order."""
+        out, images = [], []
         for i, m in enumerate(self.messages):
             msg = m.model_dump(exclude_none=True)
-            msg["content"] = message_text(m.content, param=f"messages.{i}.content")
+            msg["content"] = message_text(m.content, param=f"messages.{i}.content", images=images,
+                                          image_placeholder=image_placeholder)
             out.append(msg)
-        return out
+        return out, images
 
 
-def message_text(content: str | list[dict[str, Any]] | None, param: str) -> str:
-    """A message's content as text: a string, or OpenAI's content parts (``{"type": "text", "text":
-    ...}`` only; any other part type is a 400 naming ``param``)."""
+class ImagePart(NamedTuple):
+    """An ``image_url`` content part: its URL (``data:`` or ``http(s):``, checked later by
+    server/images.py) and where it is (``messages.I.content.J``, for errors)."""
+
+    url: str
+    part: str
+
+    @property
+    def param(self) -> str:
+        return f"{self.part}.image_url.url"
+
+
+IMAGE_DETAILS = ("auto", "low", "high")  # OpenAI's; any string is accepted and ignored (the clamp decides the size)
+
+
+def message_text(content: str | list[dict[str, Any]] | None, param: str, images: list[ImagePart] | None = None,
+                 image_placeholder: str = "") -> str:
+    """A message's content as text: a string, or OpenAI's content parts joined. ``{"type": "text",
+    "text": ...}`` is its text; ``{"type": "image_url", "image_url": {"url": ..., "detail": ...}}``
+    is appended to ``images`` and written as ``image_placeholder`` (the model's placeholder text, so
+    the chat template puts it where the part is). Any other part, a malformed one, or an image part
+    where ``images`` is None, is a 400 naming the part."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     texts = []
-    for part in content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise APIError(400, f"Unsupported content part type {part.get('type')!r}: only text parts are supported.",
-                           param=param, code="unsupported_parameter")
-        texts.append(part["text"])
+    for j, part in enumerate(content):
+        kind, where = part.get("type"), f"{param}.{j}"
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise APIError(400, f"Invalid value for '{where}.text': a text part needs a string 'text'.",
+                               param=f"{where}.text", code="invalid_value")
+            texts.append(part["text"])
+        elif kind == "image_url" and images is not None:
+            spec = part.get("image_url")
+            url = spec if isinstance(spec, str) else spec.get("url") if isinstance(spec, dict) else None
+            if not isinstance(url, str) or not url:
+                raise APIError(400, f"Invalid value for '{where}.image_url': an image_url part needs "
+                                    f"{{\"url\": \"data:image/png;base64,...\"}} (a data: URL or an http(s) URL).",
+                               param=f"{where}.image_url.url", code="invalid_value")
+            detail = spec.get("detail") if isinstance(spec, dict) else None
+            if detail is not None and not isinstance(detail, str):
+                raise APIError(400, f"Invalid type for '{where}.image_url.detail': a string (e.g. "
+                                    f"{', '.join(IMAGE_DETAILS)}), got {detail!r}.", param=f"{where}.image_url.detail",
+                               code="invalid_type")
+            images.append(ImagePart(url, where))
+            texts.append(image_placeholder)
+        else:
+            accepted = "text and image_url" if images is not None else "text"
+            raise APIError(400, f"Unsupported content part type {kind!r}: only {accepted} parts are supported.",
+                           param=where if kind is None else f"{where}.type", code="unsupported_parameter")
     return "".join(texts)
 
 

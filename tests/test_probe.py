@@ -117,12 +117,12 @@ def test_reference_mismatches():
     assert probe.verdict(other, None)
 
 
-@given(st.lists(st.tuples(st.integers(0, 4), st.booleans(), st.booleans(), st.integers(0, 3)), max_size=40))
+@given(st.lists(st.tuples(st.integers(0, 4), st.booleans(), st.booleans()), max_size=40))
 def test_analyze_totals_add_up(spec):
     """Every request lands in exactly one of completed / aborted / errors; a prompt whose answers
     all agree has no mismatch."""
     rs = []
-    for i, (key, aborted, error, variant) in enumerate(spec):
+    for i, (key, aborted, error) in enumerate(spec):
         job = _job(i, key, "cold" if i == min(j for j, s in enumerate(spec) if s[0] == key) else "repeat")
         rs.append(probe.Result(job, error="x") if error else _res(job, "5", aborted=aborted, done_at=i))
     t = probe.analyze(rs)["totals"]

@@ -402,9 +402,11 @@ def load_tensors(
     return {name: src.load(target) for name, src in sources.items()}
 
 
-def load_model(path: str | Path, dtype: Any = "float32", progress: bool = True) -> LoadedModel:
+def load_model(path: str | Path, dtype: Any = "float32", progress: bool = True, tensor_parallel=None) -> LoadedModel:
     """Load config.json and the weights of a checkpoint folder; params are device arrays of ``dtype``
-    ("float32", "bfloat16", "float16" or the matching jnp/numpy dtype) on JAX's default device."""
+    ("float32", "bfloat16", "float16" or the matching jnp/numpy dtype) on JAX's default device, or,
+    with ``tensor_parallel`` (``jaxserve.parallel.tensor.TensorParallel``), split over its mesh; the
+    config is then the one the split model runs (``TensorParallel.configure``)."""
     import jax
 
     folder = Path(path)
@@ -414,5 +416,11 @@ def load_model(path: str | Path, dtype: Any = "float32", progress: bool = True) 
     target = _target_dtype(dtype)
     sources = _plan(folder, hf_shapes(cfg), cfg.tie_word_embeddings)
     with _progress_bar(sum(s.nbytes for s in sources.values()), progress, folder) as bar:
-        params = build_params(cfg, _LazyTensors(sources, target, bar), lambda a: jax.device_put(np.asarray(a, target)))
+        if tensor_parallel is None:
+            params = build_params(cfg, _LazyTensors(sources, target, bar), lambda a: jax.device_put(np.asarray(a, target)))
+        else:  # host arrays first: the split layout is made on the host, then each device gets its share
+            host = build_params(cfg, _LazyTensors(sources, target, bar), lambda a: np.asarray(a, target))
+            split_cfg = tensor_parallel.configure(cfg)
+            params = tensor_parallel.place(split_cfg, host, kv_heads=cfg.num_kv_heads)
+            cfg = split_cfg
     return LoadedModel(config=cfg, params=params, path=folder, dtype=target)

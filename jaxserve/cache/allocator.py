@@ -92,7 +92,8 @@ class PageAllocator:
                 f"page {p}: refcount {self._ref[p]} but {'on' if p in free else 'off'} the free list")
 
     def _check_id(self, page: int) -> None:
-        if not (isinstance(page, numbers.Integral) and 0 < page < self.num_pages):
+        # ``type(...) is int`` first: the ABC check costs ~1 us and the scheduler asks per page per step.
+        if not ((type(page) is int or isinstance(page, numbers.Integral)) and 0 < page < self.num_pages):
             raise ValueError(f"page id {page!r} is out of range or the reserved null page")
 
 
@@ -142,5 +143,5 @@ class SlotAllocator:
             assert self._is_free[s] == (s in free), f"slot {s}: free flag and free list disagree"
 
     def _check_id(self, slot: int) -> None:
-        if not (isinstance(slot, numbers.Integral) and 0 < slot < self.num_slots):
+        if not ((type(slot) is int or isinstance(slot, numbers.Integral)) and 0 < slot < self.num_slots):
             raise ValueError(f"slot id {slot!r} is out of range or the reserved null slot")

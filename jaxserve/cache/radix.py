@@ -7,10 +7,10 @@ the boundaries where a kernel wrote a snapshot. So the tree has two currencies:
 
   * KV pages: every node covers a run of whole pages, ``len(key) == page_size * len(pages)``.
   * snapshot slots: a node may carry one slot holding the state at its END boundary, which is
-    always a multiple of ``snapshot_interval`` (invariant 1 of DESIGN.md: the kernels emit state
+    always a multiple of ``snapshot_interval`` (invariant 1 of ARCHITECTURE.md: the kernels emit state
     on x64 boundaries, and ``snapshot_interval % page_size == 0`` makes those page boundaries).
 
-Ownership (DESIGN.md invariants 2 and 7). The tree holds one reference on each of its pages
+Ownership (ARCHITECTURE.md invariants 2 and 7). The tree holds one reference on each of its pages
 (``PageAllocator`` refcounts; requests hold their own) and owns its slots outright. A donated
 slot is a private clone written once on the device before ``insert``; the tree never shares a
 slot id with a request, and never writes one (it only frees it), so a tree slot is read-only for
@@ -43,7 +43,9 @@ KV eviction (leaves only) is a plain LRU over leaves. ``snap_access`` is set onl
 a hit restored or a donation (re)delivered: a snapshot that was merely passed over is not "used",
 which is what lets a long conversation's old per-turn snapshots age out before its newest one.
 Ties break deepest-first for KV, shallowest-first for snapshots (the shallow one turns into a
-tombstone and keeps its KV; the deep one is usually a leaf and would take its KV along).
+tombstone and keeps its KV; the deep one is usually a leaf and would take its KV along). The
+snapshot LRU is a lazy heap (``_lru``, see ``_lru_first_evictable``), so an eviction costs
+O(log snapshots), not a scan of every snapshot.
 
 ``eviction`` (an ``Eviction``; scheduling policies install one) replaces both LRU orders with keys
 of its own, computed from a read-only ``NodeInfo``; it decides only the order among evictable
@@ -174,6 +176,8 @@ class HybridRadixCache:
         self._tree_pages: set[int] = set()
         self._tree_slots: set[int] = set()
         self._snapshot_nodes: dict[int, Node] = {}  # slot -> its node (eviction candidates)
+        self._lru: list[tuple[int, int, int, int, Node]] = []  # see _lru_first_evictable
+        self._lru_seq = itertools.count()        # heap tie-breaker: entries never compare nodes
         self.eviction: Eviction | None = None    # None: the LRU orders of the module docstring
 
     # ------------------------------------------------------------------ sizes and metrics
@@ -200,7 +204,7 @@ class HybridRadixCache:
 
     def metrics(self) -> dict[str, float]:
         """Counters plus pool pressure: the share of the slot pool the tree's snapshots occupy is
-        what starves hits when it is small (DESIGN.md, cache semantics)."""
+        what starves hits when it is small (ARCHITECTURE.md, "The prefix cache")."""
         m: dict[str, float] = dict(self.stats.as_dict())
         m.update(num_nodes=self.num_nodes, num_snapshots=self.num_snapshots,
                  num_tree_pages=self.num_tree_pages,
@@ -238,6 +242,23 @@ class HybridRadixCache:
         ids = tuple(cache_ids)
         return self._usable(*self._walk(ids, self._match_limit(len(ids))))[2]
 
+    def has_snapshot_at(self, cache_ids: Sequence[int], boundary: int, hint: Node | None = None) -> bool:
+        """``peek(cache_ids[:boundary + 1]) == boundary`` for a ``boundary`` on a page boundary: does
+        the tree hold a live snapshot exactly at ``boundary`` of this prefix? ``hint``: a node in the
+        tree whose root path spells ``cache_ids[:hint.end]`` (a request's locked ``Match.node``:
+        locked, it stays in the tree, and splits and merges keep its end and its path's content).
+        The walk then starts there instead of at the root, which saves the shared prefix's nodes;
+        the answer is the same, because the root walk of these ids runs through ``hint``."""
+        if boundary <= 0 or len(cache_ids) <= boundary:  # peek would stop short of ``boundary``
+            return False
+        node = self.root if hint is None or (hint is not self.root and hint.parent is None) else hint
+        if boundary <= node.end:  # on the path above the hint
+            while node.end > boundary:
+                node = node.parent
+            return node.end == boundary and node.snapshot is not None and node is not self.root
+        path, _ = self._walk(tuple(cache_ids[:boundary]), boundary, node)
+        return bool(path) and path[-1].end == boundary and path[-1].snapshot is not None
+
     def peek_path(self, cache_ids: Sequence[int]) -> tuple[int, ...]:
         """Ids of the nodes the ids run through (whole pages, the last token excluded as in
         ``match``; a partly matched node last), root excluded; changes nothing. Requests sharing a
@@ -250,10 +271,15 @@ class HybridRadixCache:
         """Tokens a hit may cover: never the last one, and only whole pages."""
         return max(0, (n - 1) // self.page_size * self.page_size)
 
-    def _walk(self, ids: tuple[int, ...], limit: int) -> tuple[list[Node], tuple[Node, int] | None]:
+    def _walk(self, ids: tuple[int, ...], limit: int,
+              start: Node | None = None) -> tuple[list[Node], tuple[Node, int] | None]:
         """Nodes fully matched by ``ids[:limit]`` (root excluded), and the node matched only
-        partly with the number of its tokens that match (whole pages), if any."""
-        ps, node, pos, path = self.page_size, self.root, 0, []
+        partly with the number of its tokens that match (whole pages), if any. ``start``: a node
+        whose root path spells ``ids[:start.end]``; the walk goes on from there and returns only
+        the nodes below it."""
+        ps, path = self.page_size, []
+        node = self.root if start is None else start
+        pos = node.end
         while pos < limit:
             child = node.children.get(ids[pos:pos + ps])
             if child is None:
@@ -333,7 +359,8 @@ class HybridRadixCache:
 
     # ------------------------------------------------------------------ insert
 
-    def insert(self, cache_ids: Sequence[int], pages: Sequence[int], snapshots: Mapping[int, int]) -> None:
+    def insert(self, cache_ids: Sequence[int], pages: Sequence[int], snapshots: Mapping[int, int],
+               hint: Node | None = None) -> None:
         """Donate a request's prefix: ``cache_ids`` cut down to whole pages, its ``pages`` (at
         least one per whole page; extras are ignored) and ``snapshots`` {boundary: slot} of
         private, already written clones that the tree now owns.
@@ -343,7 +370,8 @@ class HybridRadixCache:
         the donated slot is freed (dedup). A boundary inside an existing node splits it. Hybrid:
         nothing beyond the deepest donated boundary is inserted (it could never be a hit and would
         be a snapshot-less leaf), so a hybrid insert without snapshots adds nothing. Arguments are
-        validated before anything changes.
+        validated before anything changes. ``hint``: as in ``has_snapshot_at``; the walks start
+        there when every donated boundary lies below it (nothing above it can then split).
         """
         ids = tuple(cache_ids)
         n_pages = len(ids) // self.page_size
@@ -351,11 +379,12 @@ class HybridRadixCache:
         pages = list(pages)
         snaps = self._check_snapshots(snapshots, cut)
         target = self._insert_target(snaps, cut)
-        self._check_pages(ids, pages, n_pages, target)
+        start = self._insert_start(hint, snaps)
+        self._check_pages(ids, pages, n_pages, target, start)
 
         self._clock += 1
         self.stats.inserts += 1
-        path, attached, append_parent = self._insert_path(ids, pages, snaps, target)
+        path, attached, append_parent = self._insert_path(ids, pages, snaps, target, start)
         self._touch(path)
         if append_parent is not None:
             self._normalize(append_parent)   # plain mode: a leaf extended in place
@@ -383,11 +412,20 @@ class HybridRadixCache:
                 raise ValueError(f"donated slot {slot} is already a tree slot (aliasing)")
         return snaps
 
-    def _check_pages(self, ids: tuple[int, ...], pages: list[int], n_pages: int, target: int) -> None:
+    def _insert_start(self, hint: Node | None, snaps: dict[int, int]) -> Node:
+        """Where an insert's walk begins: ``hint`` while it is in the tree and every donated
+        boundary lies below it, else the root. On the root..hint path such an insert only passes
+        through whole nodes (no boundary inside them, none at their ends), so starting at ``hint``
+        with that path changes nothing but the work."""
+        if hint is None or hint.parent is None or not snaps or min(snaps) <= hint.end:
+            return self.root
+        return hint
+
+    def _check_pages(self, ids: tuple[int, ...], pages: list[int], n_pages: int, target: int, start: Node) -> None:
         if len(pages) < n_pages:
             raise ValueError(f"{n_pages} whole pages of ids but only {len(pages)} page ids")
-        path, partial = self._walk(ids, target)
-        shared = (path[-1].end if path else 0) + (partial[1] if partial else 0)
+        path, partial = self._walk(ids, target, start)
+        shared = (path[-1].end if path else start.end) + (partial[1] if partial else 0)
         adopted = pages[shared // self.page_size:target // self.page_size]
         if len(set(adopted)) != len(adopted):
             raise ValueError(f"a page id repeats among the donated pages {adopted}")
@@ -397,10 +435,12 @@ class HybridRadixCache:
             if p in self._tree_pages:
                 raise ValueError(f"donated page {p} is already a tree page at another position")
 
-    def _insert_path(self, ids, pages, snaps, target):
-        """Walk/extend the tree along ``ids[:target]``; returns (path, nodes that adopted a
-        snapshot, the node new content was appended under or None)."""
-        node, pos, path, attached = self.root, 0, [], []
+    def _insert_path(self, ids, pages, snaps, target, start):
+        """Walk/extend the tree along ``ids[:target]`` from ``start`` (see ``_insert_start``); returns
+        (path from the root, nodes that adopted a snapshot, the node new content was appended under
+        or None)."""
+        node, pos, attached = start, start.end, []
+        path = self._path_to_root(start)[-2::-1]  # root..start, root excluded
         while pos < target:
             child = node.children.get(ids[pos:pos + self.page_size])
             if child is None:
@@ -436,16 +476,17 @@ class HybridRadixCache:
 
     def _put_snapshot(self, node: Node, slot: int, attached: list[Node]) -> None:
         """Adopt a donated slot at ``node``'s end, or free it if one is already live there."""
+        node.snap_access = self._clock
         if node.snapshot is None:
             node.snapshot = slot
             self._tree_slots.add(slot)
             self._snapshot_nodes[slot] = node
             attached.append(node)
             self.stats.snapshots_adopted += 1
+            self._lru_push(node)
         else:
             self.slots.free(slot)
             self.stats.snapshots_deduped += 1
-        node.snap_access = self._clock
 
     def _split(self, node: Node, k: int) -> Node:
         """Cut ``node`` after its first ``k`` pages; the new upper part is returned and the
@@ -503,9 +544,13 @@ class HybridRadixCache:
         tombstone (keeps KV and children); a leaf goes whole with its KV (no tombstone leaf can be
         exposed above it: canonical form). Returns the slots freed."""
         count = 0
+        if self.eviction is None:
+            while count < num and (node := self._lru_first_evictable()) is not None:
+                count += 1
+                self.stats.snapshots_evicted += 1
+                self._evict_snapshot(node)
+            return count
         heap = [self._snap_order(n) for n in self._snapshot_nodes.values() if self._snap_evictable(n)]
-        if num == 1 and heap:  # the common case (one slot for the next write): no heap needed
-            heap = [min(heap)]
         heapq.heapify(heap)
         while count < num and heap:
             node = heapq.heappop(heap)[-1]
@@ -515,6 +560,38 @@ class HybridRadixCache:
             self.stats.snapshots_evicted += 1
             self._evict_snapshot(node)
         return count
+
+    def _lru_push(self, node: Node) -> None:
+        """Enter a node that just got a snapshot into the LRU heap; rebuild the heap from the live
+        snapshots when dead entries (snapshots gone since) outnumber them, so it stays O(snapshots)."""
+        heapq.heappush(self._lru, (node.snap_access, node.end, node.uid, next(self._lru_seq), node))
+        if len(self._lru) > 2 * len(self._snapshot_nodes) + 64:
+            self._lru = [(n.snap_access, n.end, n.uid, next(self._lru_seq), n) for n in self._snapshot_nodes.values()]
+            heapq.heapify(self._lru)
+
+    def _lru_first_evictable(self) -> Node | None:
+        """The evictable snapshot with the smallest LRU key: ``min`` of ``_snap_order`` over the
+        ``_snap_evictable`` nodes. Lazy heap: every node with a snapshot has an entry whose key is a
+        lower bound of its current key (``end`` and ``uid`` never change and ``snap_access`` only
+        grows, so touches need not touch the heap). An entry that surfaces with an old time is
+        pushed back with the current one; one whose node lost its snapshot is dropped; a locked
+        node's is set aside and pushed back after. The first current, evictable entry on top has
+        the smallest key of all, since every other node's key is at least its entry's."""
+        heap, locked, found = self._lru, [], None
+        while heap:
+            access, _, _, _, node = heap[0]
+            if node.snapshot is None or node.parent is None:
+                heapq.heappop(heap)
+            elif node.snap_access != access:
+                heapq.heapreplace(heap, (node.snap_access, node.end, node.uid, next(self._lru_seq), node))
+            elif not self._snap_evictable(node):  # locked
+                locked.append(heapq.heappop(heap))
+            else:
+                found = node
+                break
+        for entry in locked:
+            heapq.heappush(heap, entry)
+        return found
 
     def _evict_snapshot(self, node: Node) -> None:
         """Inner node: becomes a tombstone. Leaf: goes whole, a hybrid leaf must keep a snapshot."""
@@ -620,7 +697,8 @@ class HybridRadixCache:
         pages      no null page; each tree page appears once in the tree and has refcount >= 1
                    (the tree's own reference); the page index equals the walk.
         snapshots  hybrid only; only at ends that are multiples of ``snapshot_interval``; each
-                   slot on one node and not free in the SlotAllocator; slot index == the walk.
+                   slot on one node and not free in the SlotAllocator; slot index == the walk;
+                   each has an LRU heap entry whose time is <= its ``snap_access``.
         hybrid     every leaf has a live snapshot; a locked node never lacks one.
         locks      ``snap_lock >= 0`` and ``kv_lock == snap_lock + sum(child.kv_lock)`` on every
                    node, so kv_lock >= snap_lock and >= each child's: a lock pins its whole path.
@@ -676,5 +754,7 @@ class HybridRadixCache:
         assert seen_slots == self._tree_slots, f"slot index off by {seen_slots ^ self._tree_slots}"
         assert all(self._snapshot_nodes.get(s) is n for n in self._nodes() if (s := n.snapshot) is not None) \
             and len(self._snapshot_nodes) == len(seen_slots), "snapshot-node index differs from the walk"
+        bounded = {id(n) for a, _, _, _, n in self._lru if n.snapshot is not None and a <= n.snap_access}
+        assert all(id(n) in bounded for n in self._snapshot_nodes.values()), "a snapshot is missing from the LRU heap"
         s = self.stats
         assert s.hits <= s.queries and s.hit_tokens <= s.query_tokens, "hit counters exceed queries"

@@ -56,7 +56,7 @@ class Executor(Protocol):
         """A checksum of one linear-state slot (all layers, conv and recurrent state)."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
@@ -96,9 +96,14 @@ class EngineStats:
 
 class Engine:
     def __init__(self, scheduler: Scheduler, executor: Executor, vocab_size: int, tokenizer: Tokenizer | None = None,
-                 debug_snapshot_checksums: bool = False, overlap: bool = False):
+                 debug_snapshot_checksums: bool = False, overlap: bool = False, output_history: bool = True):
+        """``output_history``: every output carries the request's whole output so far (``output_ids``,
+        ``logprobs``: copies, O(length) per token, what the server and ``generate`` read). False:
+        only a finished request's output does; the others carry ``new_ids`` (and ``new_text``) with
+        empty ``output_ids`` / ``logprobs``, for a caller that reads only final outputs (the simulator)."""
         self.scheduler = scheduler
         self.overlap = overlap
+        self.output_history = output_history
         self._in_flight: list[tuple[StepPlan, Any]] = []  # dispatched, not yet committed (oldest first)
         self.failed_steps = 0
         self.vocab_size = vocab_size
@@ -128,7 +133,7 @@ class Engine:
                 raise ValueError("a text prompt needs a tokenizer")
             prompt_ids = self.tokenizer.encode(prompt)
         else:
-            prompt_ids = [int(t) for t in prompt]
+            prompt_ids = list(map(int, prompt))
         if not prompt_ids:
             raise ValueError("prompt is empty")
         vocab = self.vocab_size
@@ -206,13 +211,15 @@ class Engine:
         self.scheduler.commit(plan, tokens, logprobs)
         outputs = []
         for row, epoch in zip(plan.rows, epochs):
-            if row.epoch != epoch:  # released after planning: the row was dropped
-                continue
-            if not row.samples:
+            if not row.samples or row.epoch != epoch:  # no token, or released after planning (dropped)
                 continue
             req = row.req
-            new_text = self._detokenize(req)
-            outputs.append(self._output(req, new_text, req.output_ids[-1:]))
+            new_text = self._detokenize(req) if self._decoders else ""
+            if self.output_history or req.status is Status.FINISHED:
+                outputs.append(self._output(req, new_text, req.output_ids[-1:]))
+            else:
+                outputs.append(RequestOutput(req.rid, req.prompt_ids, [], req.text, [], req.finish_reason,
+                                             req.cached_tokens, new_text, req.output_ids[-1:]))
             if req.status is Status.FINISHED:
                 self._forget(req.rid)
         return outputs
@@ -260,7 +267,7 @@ class Engine:
         return new
 
     def _output(self, req: Request, new_text: str = "", new_ids: Sequence[int] = ()) -> RequestOutput:
-        return RequestOutput(req.rid, req.prompt_ids, list(req.output_ids), req.text, list(req.logprobs),
+        return RequestOutput(req.rid, req.prompt_ids, req.output_ids[:], req.text, req.logprobs[:],
                              req.finish_reason, req.cached_tokens, new_text, list(new_ids))
 
     def _forget(self, rid: str) -> None:

@@ -10,28 +10,31 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
+from pathlib import Path
 from typing import Sequence
 
-import jax
 import jax.numpy as jnp
 
 from jaxserve.cache.allocator import PageAllocator, SlotAllocator
-from jaxserve.config import LINEAR_ATTENTION
+from jaxserve.config import LINEAR_ATTENTION, ModelConfig
 from jaxserve.cache.radix import HybridRadixCache
 from jaxserve.engine.engine import Engine, RequestOutput
 from jaxserve.engine.policy import make_policy
 from jaxserve.engine import startup
 from jaxserve.engine.pools import device_budget, init_pools
-from jaxserve.engine.runner import Buckets, DeviceExecutor, warmup
+from jaxserve.engine.runner import Buckets, DeviceExecutor, Placement, warmup
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.generate import SamplingParams
 from jaxserve.models import backends
 from jaxserve.models.gated_deltanet import use_conv_kernel, use_decode_kernel, use_prefill_kernel
 from jaxserve.models.layers import use_attention_kernel
-from jaxserve.multimodal.preprocess import ImageProcessing, decode, default_max_pixels, preprocess
+from jaxserve.multimodal.preprocess import (MAX_PIXELS_ENV, ImageProcessing, PixelPatches, decode, default_max_pixels,
+                                            preprocess)
 from jaxserve.multimodal.prompt import prepare
+from jaxserve.parallel.tensor import TensorParallel
 from jaxserve.tokenizer import Tokenizer
 
 CPU_BUDGET_BYTES = 512 << 20  # a CPU device reports no memory; pools default to this budget there
@@ -66,6 +69,10 @@ class EngineArgs:
     # The resize clamp of image input (jaxserve/multimodal/preprocess.py): None = $JAXSERVE_IMAGE_MAX_PIXELS
     # or ~1 Mpx.
     image_max_pixels: int | None = None
+    # Split the model over this many local devices (jaxserve/parallel/tensor.py says how); 1 = one
+    # device, no mesh. expert_parallel: split routed experts by expert id instead of by intermediate.
+    tensor_parallel_size: int = 1
+    expert_parallel: bool = False
 
 
 def _log(args: EngineArgs, msg: str) -> None:
@@ -103,10 +110,11 @@ def _compile_all(args: EngineArgs, compiler: startup.StepCompiler, params, plan,
     mems = startup.compile_programs(compiler, startup.pool_structs(cfg, dtype, plan), programs,
                                     workers=args.compile_workers, progress=args.progress)
     loaded, t1 = startup.cache_hits() - hits0, time.perf_counter()
-    pools = init_pools(plan, cfg, dtype)
+    placement = compiler.placement
+    pools = init_pools(plan, cfg, dtype, None if placement is None else placement.pools)
     before = startup.step_compiles()
     run = programs if memory.reserve_bytes else [next(p for p in programs if p[3] == kind) for kind in (False, True)]
-    pools = warmup(params, cfg, pools, buckets, programs=run)
+    pools = warmup(params, cfg, pools, buckets, programs=run, placement=placement)
     again = startup.step_compiles() - before
     largest = max((m for m in mems if m is not None), key=lambda m: m.need_bytes, default=None)
     msg = (f"compiled {len(programs)} step programs in {t1 - t0:.1f}s ({loaded} loaded from the compile cache), "
@@ -125,16 +133,30 @@ def _compile_all(args: EngineArgs, compiler: startup.StepCompiler, params, plan,
     return pools
 
 
+def _tensor_parallel(args: EngineArgs) -> TensorParallel | None:
+    """The mesh ``args`` ask for (None: one device), its shape checks run on config.json before any
+    weight is read, so a size that does not divide the heads fails at once."""
+    if args.tensor_parallel_size == 1 and not args.expert_parallel:
+        return None
+    if args.tensor_parallel_size < 2:
+        raise ValueError("expert_parallel splits experts over the tensor-parallel devices: "
+                         "give tensor_parallel_size > 1")
+    tp = TensorParallel.make(args.tensor_parallel_size, args.expert_parallel)
+    tp.configure(dataclasses.replace(ModelConfig.from_file(Path(args.model) / "config.json"), kernels=args.kernels))
+    return tp
+
+
 def build_engine(args: EngineArgs) -> Engine:
     """Load the checkpoint, plan memory (measuring the largest step where the device reports its
     memory), allocate pools, compile every step program if ``compile_all``, and wire the engine."""
     from weights import load_model
 
     backends.validate(args.kernels)
+    tp = _tensor_parallel(args)
     cache_dir = startup.enable_compile_cache(args.compile_cache)
 
-    model = load_model(args.model, dtype=args.dtype, progress=args.progress)
-    cfg, params = dataclasses.replace(model.config, kernels=args.kernels), model.params
+    model = load_model(args.model, dtype=args.dtype, progress=args.progress, tensor_parallel=tp)
+    cfg, params = dataclasses.replace(model.config, kernels=args.kernels if tp is None else model.config.kernels), model.params
     tokenizer = Tokenizer.from_dir(args.model)
     dtype = jnp.dtype(args.dtype)
     # "pallas" on shapes a kernel cannot take: one clear error now, not a trace-time one at warm-up
@@ -145,27 +167,29 @@ def build_engine(args: EngineArgs) -> Engine:
     if any(t != LINEAR_ATTENTION for t in cfg.layer_types):
         use_attention_kernel(cfg, dtype, args.page_size)
     max_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-    param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     buckets = Buckets.for_limits(max_prefill_tokens=args.max_prefill_length, max_seqs=args.max_running_requests,
                                  max_model_len=max_len, page_size=args.page_size)
-    compiler = startup.StepCompiler(params, cfg, buckets)
+    placement = None if tp is None else Placement(params, tp.pool_shardings(cfg))
+    compiler = startup.StepCompiler(params, cfg, buckets, placement)
+    param_bytes = compiler.param_bytes  # one device's share under tensor parallelism, as is the budget
     budget, unmeasured = _budget(args, param_bytes)
     if args.progress and not unmeasured:
         _log(args, f"measuring the largest step ({buckets.tokens[-1]} tokens) for the memory plan ...")
     memory = startup.plan_memory(
-        cfg, dtype, buckets, startup.PoolLimits(args.page_size, args.max_running_requests, args.num_pages,
+        cfg if tp is None else tp.shard_config(cfg), dtype, buckets, startup.PoolLimits(args.page_size, args.max_running_requests, args.num_pages,
                                                 args.num_slots, args.snapshot_fraction),
         budget=budget, param_bytes=param_bytes, log=lambda msg: _log(args, msg),
         measure=None if unmeasured else lambda program, plan: compiler.compile(
             program, startup.pool_structs(cfg, dtype, plan)))
     plan, buckets = memory.pools, memory.buckets
-    _log(args, f"{cfg.model_type} ({cfg.num_layers} layers), {args.dtype}, {plan.describe()}; {memory.note}"
+    _log(args, f"{cfg.model_type} ({cfg.num_layers} layers), {args.dtype}{f', {tp.describe()}' if tp else ''}, "
+               f"{plan.describe()}{' per device' if tp else ''}; {memory.note}"
                f"{f' ({unmeasured})' if unmeasured else ''}; max prefill {buckets.tokens[-1]} tokens per step, "
                f"{len(buckets.programs())} step programs; compile cache {cache_dir or 'off'}")
     if args.compile_all:
         pools = _compile_all(args, compiler, params, plan, memory, dtype)
     else:
-        pools = init_pools(plan, cfg, dtype)
+        pools = init_pools(plan, cfg, dtype, None if placement is None else placement.pools)
     pages = PageAllocator(plan.num_pages)
     slots = SlotAllocator(plan.num_slots) if cfg.is_hybrid else None
     cache = HybridRadixCache(pages, slots, args.page_size, hybrid=cfg.is_hybrid,
@@ -176,7 +200,7 @@ def build_engine(args: EngineArgs) -> Engine:
                           max_pages_per_seq=min(buckets.pages_per_seq, -(-max_len // args.page_size)),
                           eos_token_ids=eos, policy=make_policy(args.policy))
     scheduler.debug_fault = args.debug_fault
-    executor = DeviceExecutor(params, cfg, pools, buckets)
+    executor = DeviceExecutor(params, cfg, pools, buckets, placement)
     engine = Engine(scheduler, executor, vocab_size=cfg.vocab_size, tokenizer=tokenizer,
                     debug_snapshot_checksums=args.debug_snapshot_checksums, overlap=args.overlap_schedule)
     return engine
@@ -186,18 +210,24 @@ class LLM:
     """Offline batch generation over the full engine (continuous batching, prefix cache)."""
 
     def __init__(self, model: str, **kwargs):
-        args = EngineArgs(model=model, **kwargs)
+        self._init(EngineArgs(model=model, **kwargs))
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> "LLM":
+        llm = cls.__new__(cls)
+        llm._init(args)
+        return llm
+
+    def _init(self, args: EngineArgs) -> None:
         self.engine = build_engine(args)
-        cfg = self.engine.executor.cfg
-        self.images = None if cfg.vision is None else ImageInput(
-            ImageProcessing.from_checkpoint(model, cfg.vision).clamped(args.image_max_pixels or default_max_pixels()),
-            cfg.vision)
+        self.images = image_input(args, self.engine)  # None: the model takes no images
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  stop: Sequence[str] = (), images: Sequence[Sequence] | None = None) -> list[RequestOutput]:
-        """``images[i]``: prompt i's images (Pillow images or encoded PNG / JPEG / WebP bytes), one per
-        image placeholder token in the prompt (``<|image_pad|>``, as the chat template writes it)."""
+        """``images[i]``: prompt i's images (Pillow images, encoded PNG / JPEG / WebP bytes, or
+        ``self.images.load``'s output), one per image placeholder token in the prompt (``<|image_pad|>``,
+        as the chat template writes it: ``self.images.placeholder``)."""
         if not images or not any(images):
             return self.engine.generate(prompts, sampling_params, stop)
         if self.images is None:
@@ -218,14 +248,73 @@ class LLM:
 
 @dataclasses.dataclass(frozen=True)
 class ImageInput:
-    """A model's image input: the clamped processor settings and the tower's tokens."""
+    """A model's image input: the clamped processor settings, the tower's tokens, and the text a
+    chat template writes for one image (``placeholder``: ``<|vision_start|><|image_pad|><|vision_end|>``
+    as the Qwen3.5 / Qwen3-VL templates emit it), or None with ``no_placeholder`` saying why, when
+    the tokenizer has no such special tokens (a prompt can then carry images only as token ids)."""
 
     processing: ImageProcessing
     vision: object  # jaxserve.config.VisionConfig
+    placeholder: str | None = None
+    no_placeholder: str = ""
+
+    def load(self, image) -> PixelPatches:
+        """One image (a Pillow image or encoded PNG / JPEG / WebP bytes) -> the tower's input.
+        Raises ``ImageError`` naming the problem."""
+        if isinstance(image, PixelPatches):
+            return image
+        if isinstance(image, (bytes, bytearray, memoryview)):
+            decoded = decode(bytes(image))
+            try:
+                return preprocess(decoded, self.processing)
+            finally:
+                decoded.close()
+        return preprocess(image, self.processing)
 
     def prepare(self, ids: Sequence[int], images: Sequence):
-        """Tokenized prompt + its images (Pillow images or encoded bytes) -> (expanded ids, cache ids,
-        ImagePrompt) for ``Engine.add_request``. Raises ``ImageError`` / ``ValueError`` on bad input."""
-        patches = [preprocess(decode(im) if isinstance(im, (bytes, bytearray)) else im, self.processing)
-                   for im in images]
+        """Tokenized prompt + its images (Pillow images, encoded bytes or ``load``'s output) ->
+        (expanded ids, cache ids, ImagePrompt) for ``Engine.add_request``. Raises ``ImageError`` /
+        ``ValueError`` on bad input."""
+        patches = [self.load(im) for im in images]
         return prepare(ids, patches, self.vision.image_token_id, self.vision.spatial_merge_size)
+
+
+def image_placeholder(tokenizer, vision) -> tuple[str | None, str]:
+    """(the text of one image's placeholder, None and why not). The vision start, image and vision
+    end ids must be special tokens of the tokenizer (skipped when decoding), so that no text can
+    tokenize to an image placeholder and every placeholder comes from an image."""
+    ids = (vision.vision_start_token_id, vision.image_token_id, vision.vision_end_token_id)
+    names = ("vision start", "image", "vision end")
+    parts = []
+    for tid, name in zip(ids, names):
+        token = tokenizer.id_to_token(tid) if 0 <= tid < tokenizer.vocab_size else None
+        if token is None:
+            return None, f"its {name} token id {tid} is not in the tokenizer"
+        if tokenizer.decode([tid], skip_special_tokens=True) != "":
+            return None, (f"its {name} token id {tid} is the text token {tokenizer.decode([tid])!r}, not a special "
+                          f"token like <|image_pad|>")
+        parts.append(token)
+    text = "".join(parts)
+    if [t for t in tokenizer.encode(text) if t in ids] != list(ids):
+        return None, f"{text!r} does not tokenize to the ids {list(ids)}"
+    return text, ""
+
+
+def image_input(args: EngineArgs, engine: Engine) -> ImageInput | None:
+    """The image input of ``args.model`` (None without a vision tower), its resize clamp said once:
+    ``args.image_max_pixels``, else ``$JAXSERVE_IMAGE_MAX_PIXELS``, else ~1 Mpx."""
+    vision = engine.executor.cfg.vision
+    if vision is None:
+        return None
+    if args.image_max_pixels is not None and args.image_max_pixels < 1:
+        raise ValueError(f"image_max_pixels must be >= 1, got {args.image_max_pixels}")
+    max_pixels = args.image_max_pixels or default_max_pixels()
+    source = ("image_max_pixels" if args.image_max_pixels else
+              f"${MAX_PIXELS_ENV}" if os.environ.get(MAX_PIXELS_ENV) else "the default")
+    processing = ImageProcessing.from_checkpoint(args.model, vision).clamped(max_pixels)
+    placeholder, why = image_placeholder(engine.tokenizer, vision) if engine.tokenizer is not None else (None, "no tokenizer")
+    _log(args, f"images: resized to at most {processing.max_pixels} pixels ({max_pixels} from {source}; "
+               f"{processing.factor}x{processing.factor} pixels per soft token, so at most "
+               f"{processing.max_pixels // processing.factor**2} soft tokens an image)"
+               + ("" if placeholder else f"; chat prompts cannot take images: {why}"))
+    return ImageInput(processing, vision, placeholder, why)

@@ -10,9 +10,9 @@ is one pytree threaded through every jitted step and donated, so the step update
 Index 0 of each is NULL (``NULL_PAGE``, ``NULL_SLOT``): padding tokens, padding rows and padding
 snapshot entries write there, the host allocators never hand it out, and nothing reads it
 unmasked. So a step never needs a branch for padding and no padding write can land in a page or
-slot that some request or the radix tree owns (DESIGN.md invariant 7 stays a host-side count).
+slot that some request or the radix tree owns (ARCHITECTURE.md invariant 7 stays a host-side count).
 
-``64 % page_size == 0`` (DESIGN.md invariant 1): KV page boundaries then fall on every ×64 snapshot
+``64 % page_size == 0`` (ARCHITECTURE.md invariant 1): KV page boundaries then fall on every ×64 snapshot
 boundary, so a radix-tree node's pages and its state snapshot describe the same prefix.
 """
 
@@ -27,7 +27,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.models.decoder import Pools, num_layers_of_kind, pool_shapes, zeros
 from jaxserve.models.layers import KEY_BLOCK
 
-__all__ = ["NULL_PAGE", "NULL_SLOT", "PoolPlan", "Pools", "init_pools", "plan_pools", "device_budget",
+__all__ = ["NULL_PAGE", "NULL_SLOT", "PoolPlan", "Pools", "allocate", "init_pools", "plan_pools", "device_budget",
            "minimal_pool_bytes"]
 
 NULL_PAGE = 0
@@ -110,7 +110,7 @@ def plan_pools(cfg: ModelConfig, dtype, *, page_size: int, max_seqs: int, mem_by
     pool; the whole budget is KV.
 
     Why this split: a running request cannot make progress without its slot, so those are never
-    traded away; snapshots are what make a hybrid model's prefix hits possible at all (DESIGN.md
+    traded away; snapshots are what make a hybrid model's prefix hits possible at all (ARCHITECTURE.md
     invariant 4) and they are large (one slot ≈ many KV pages), so they get an explicit, tunable
     share instead of whatever KV leaves over.
 
@@ -160,9 +160,17 @@ def plan_pools(cfg: ModelConfig, dtype, *, page_size: int, max_seqs: int, mem_by
     return plan
 
 
-def init_pools(plan: PoolPlan, cfg: ModelConfig, dtype) -> Pools:
-    """Zero-filled pools for ``plan`` on the default device."""
-    return zeros(pool_shapes(cfg, dtype, (plan.num_pages, plan.page_size), plan.num_slots))
+def init_pools(plan: PoolPlan, cfg: ModelConfig, dtype, shardings: Pools | None = None) -> Pools:
+    """Zero-filled pools for ``plan`` on the default device, or split over a mesh (``allocate``)."""
+    return allocate(pool_shapes(cfg, dtype, (plan.num_pages, plan.page_size), plan.num_slots), shardings)
+
+
+def allocate(shapes: Pools, shardings: Pools | None = None) -> Pools:
+    """Zero pools of ``shapes``. With ``shardings`` (``jaxserve.parallel.tensor``) each device
+    allocates only its own share: no device ever holds a whole pool."""
+    if shardings is None:
+        return zeros(shapes)
+    return jax.jit(lambda: zeros(shapes), out_shardings=shardings)()
 
 
 def device_budget(mem_fraction: float, device: jax.Device | None = None) -> int:

@@ -4,7 +4,7 @@ Holdings are explicit so the leak check (invariant 7) can account for every page
 ``pages`` (KV pages for positions [0, len(pages) * page_size), one refcount each), ``slot`` (its own
 live linear-state slot, never shared with the tree: invariant 2) and ``locked`` (the radix node
 its cache hit pinned). ``num_computed`` tokens of ``all_ids`` are fed to dispatched steps (in the
-pools, or about to be: device work is ordered by data, DESIGN.md invariant 3).
+pools, or about to be: device work is ordered by data, ARCHITECTURE.md invariant 3).
 
 Overlapped scheduling: the next step is planned while the previous one runs, so a request may have
 ``num_inflight`` sampled tokens the host has not seen yet (0 or 1). The step that feeds such a token
@@ -85,12 +85,20 @@ class Request:
         """Cache keys of every token so far: prompt keys, then output token ids."""
         return self.cache_ids + self.output_ids
 
+    def cache_ids_until(self, stop: int) -> list[int]:
+        """``all_cache_ids[:stop]`` (0 <= stop), without building ``all_cache_ids``."""
+        keys = self.cache_ids
+        if stop <= len(keys):
+            return keys[:stop]
+        return keys + self.output_ids[:stop - len(keys)]
+
     @property
     def num_pending(self) -> int:
         """Tokens not yet fed to a step: the rest of ``all_ids`` plus a sampled token still in flight.
         Every step feeds some of them and samples when it feeds the last one: a decode is a 1-token
         chunk, and after a preemption the output so far is recomputed with the prompt the same way.
         0 once the request has sampled all ``max_tokens`` (the last may still be in flight)."""
-        if len(self.output_ids) + self.num_inflight >= self.sampling.max_tokens:
+        out = len(self.output_ids) + self.num_inflight
+        if out >= self.sampling.max_tokens:
             return 0
-        return self.num_ids + self.num_inflight - self.num_computed
+        return len(self.prompt_ids) + out - self.num_computed

@@ -7,7 +7,7 @@ pages and slots each row reads and writes, which slots receive snapshots. ``make
 that into a ``Batch`` of numpy arrays padded to a bucket; ``step`` runs the model over the ragged
 batch with state in the pools and samples one token per row from the row's last token.
 
-What a step does to the pools, and why it is safe to overlap with host bookkeeping (DESIGN.md
+What a step does to the pools, and why it is safe to overlap with host bookkeeping (ARCHITECTURE.md
 invariant 3: the next step's input is this step's output, so device work is ordered by data):
 
 - KV: every new token's k/v is written at (page_table[row][pos // page_size], pos % page_size);
@@ -45,6 +45,7 @@ import numpy as np
 from jax import lax
 
 from jaxserve.config import ModelConfig
+from jaxserve.engine.pools import allocate
 from jaxserve.models import decoder, vision
 from jaxserve.models.decoder import Pools
 from jaxserve.multimodal.prompt import window_rows
@@ -290,8 +291,40 @@ def _step(params, cfg: ModelConfig, pools: Pools, batch: Batch, feed_tokens: jax
     return StepOutput(tokens, logprobs, feed_out, logits if return_logits else None), pools
 
 
+class Placement:
+    """Where a sharded step's arguments live (``jaxserve.parallel.tensor``): the mesh and the
+    shardings of the params and the pools. The step is jitted once per placement with those as its
+    in / out shardings (everything else replicated), so the pools come back split exactly as they
+    went in (donation keeps updating them in place) and XLA SPMD inserts the collectives. Steps
+    run, and are lowered, under ``jax.set_mesh(mesh)``: the model reads the shard count from it
+    (``jaxserve.parallel.layout.shards``). Every argument reaches the step committed to the mesh
+    (the batch and buffers replicated), so its abstract value, which names the mesh, is the same on
+    every call and in ``lower_step``: one program per shape, compiled once. Without a placement (one
+    device) nothing of this exists: ``step`` calls ``_step`` as it always did."""
+
+    def __init__(self, params, pool_shardings: Pools):
+        self.params = jax.tree.map(lambda x: x.sharding, params)
+        self.pools = pool_shardings
+        self.mesh = pool_shardings.k.mesh
+        self.replicated = rep = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        self.step = jax.jit(_step.__wrapped__, static_argnames=("cfg", "decode", "return_logits"),
+                            donate_argnames=("pools", "feed_tokens"),
+                            in_shardings=(self.params, self.pools, rep, rep, rep), out_shardings=(rep, self.pools))
+        _PLACED.append(self.step)
+
+    def abstract(self, params, pools, rest):
+        """``ShapeDtypeStruct``s naming the shardings the step's arguments have when it runs."""
+        def structs(tree, shardings):
+            return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+        return (structs(params, self.params), structs(pools, self.pools),
+                jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated), rest))
+
+
+_PLACED: list = []  # every placement's jitted step, for compile_count
+
+
 def step(params, cfg: ModelConfig, pools: Pools, batch: Batch, *, feed_tokens: jax.Array | None = None,
-         return_logits: bool = False, image_table=None) -> tuple[StepOutput, Pools]:
+         return_logits: bool = False, image_table=None, placement: Placement | None = None) -> tuple[StepOutput, Pools]:
     """Run one step. ``pools`` and ``feed_tokens`` are donated: use the returned ones, never the
     arguments again. Dispatch is asynchronous; reading ``StepOutput`` (or ``block_until_ready``) is
     the barrier.
@@ -299,12 +332,18 @@ def step(params, cfg: ModelConfig, pools: Pools, batch: Batch, *, feed_tokens: j
     ``feed_tokens`` is the previous step's ``StepOutput.feed_tokens``: tokens with ``batch.feed >= 0``
     are read from it on the device, so a token sampled by one step reaches the next without a trip
     through the host (overlapped scheduling). Its length is part of the compiled program's shape:
-    the executor keeps it fixed (``feed_buffer``); None means no feeds (a fresh buffer of B)."""
+    the executor keeps it fixed (``feed_buffer``); None means no feeds (a fresh buffer of B).
+    ``placement``: the step of a model split over a mesh (``Placement``)."""
     if feed_tokens is None:
         feed_tokens = feed_buffer(batch.cu_seqlens.shape[0] - 1)
     if cfg.vision is not None and image_table is None:
         image_table = empty_image_table(cfg, params, batch.tokens.shape[0])
-    return _step(params, cfg, pools, batch, feed_tokens, is_decode(batch), return_logits, image_table)
+    if placement is None:
+        return _step(params, cfg, pools, batch, feed_tokens, is_decode(batch), return_logits, image_table)
+    decode = is_decode(batch)
+    with jax.set_mesh(placement.mesh):
+        batch, feed_tokens, image_table = jax.device_put((batch, feed_tokens, image_table), placement.replicated)
+        return placement.step(params, cfg, pools, batch, feed_tokens, decode, return_logits, image_table)
 
 
 def empty_image_table(cfg: ModelConfig, params, T: int):
@@ -325,17 +364,18 @@ def compile_count() -> int:
     """Step programs this process has run so far (all models, all buckets): entries of the step's
     dispatch cache. A program compiled ahead of time (``lower_step``) counts once a step runs it;
     ``startup.step_compiles()`` counts XLA compiles instead."""
-    return _step._cache_size()
+    return _step._cache_size() + sum(f._cache_size() for f in _PLACED)
 
 
-def warmup(params, cfg: ModelConfig, pools: Pools, buckets: Buckets, programs=None) -> Pools:
+def warmup(params, cfg: ModelConfig, pools: Pools, buckets: Buckets, programs=None,
+           placement: Placement | None = None) -> Pools:
     """Run each of ``programs`` (default: all of ``buckets.programs()``) once on all-padding batches,
     compiling those not compiled yet (``startup.compile_programs`` compiles them ahead of time, so
     then this only runs them): they write only the null page and null slot, so live pools are safe
     to pass. Returns the pools."""
     for T, B, S, decode in programs or buckets.programs():
         batch = padding_batch(T, B, S, buckets.pages_per_seq, decode)
-        out, pools = step(params, cfg, pools, batch, feed_tokens=feed_buffer(buckets.seqs[-1]))
+        out, pools = step(params, cfg, pools, batch, feed_tokens=feed_buffer(buckets.seqs[-1]), placement=placement)
     jax.block_until_ready(pools)
     return pools
 
@@ -347,7 +387,8 @@ def _abstract(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
 
-def lower_step(params, cfg: ModelConfig, pools: Pools, buckets: Buckets, program) -> jax.stages.Lowered:
+def lower_step(params, cfg: ModelConfig, pools: Pools, buckets: Buckets, program,
+               placement: Placement | None = None) -> jax.stages.Lowered:
     """Lower the step program ``program`` = (T, B, S, decode) ahead of time, exactly as ``step``
     calls ``_step`` for it from ``warmup`` and ``DeviceExecutor`` (the same positional arguments,
     statics and feed buffer size). ``params`` and ``pools`` may be arrays or ``ShapeDtypeStruct``s.
@@ -360,7 +401,11 @@ def lower_step(params, cfg: ModelConfig, pools: Pools, buckets: Buckets, program
     assert is_decode(batch) == decode, program
     feed = jax.eval_shape(lambda: feed_buffer(buckets.seqs[-1]))
     table = None if cfg.vision is None else jax.eval_shape(lambda: empty_image_table(cfg, params, T))
-    return _step.lower(_abstract(params), cfg, _abstract(pools), _abstract(batch), feed, decode, False, table)
+    if placement is None:
+        return _step.lower(_abstract(params), cfg, _abstract(pools), _abstract(batch), feed, decode, False, table)
+    params, pools, (batch, feed, table) = placement.abstract(params, pools, (batch, feed, table))
+    with jax.set_mesh(placement.mesh):
+        return placement.step.lower(params, cfg, pools, batch, feed, decode, False, table)
 
 class DeviceExecutor:
     """The engine's ``Executor`` protocol (jaxserve/engine/engine.py) over real pools.
@@ -370,8 +415,9 @@ class DeviceExecutor:
     ``req.output_ids``, optionally ``req.images``) so the runner does not import the scheduler
     (imports point down)."""
 
-    def __init__(self, params, cfg: ModelConfig, pools: Pools, buckets: Buckets):
+    def __init__(self, params, cfg: ModelConfig, pools: Pools, buckets: Buckets, placement: Placement | None = None):
         self.params, self.cfg, self.pools, self.buckets = params, cfg, pools, buckets
+        self.placement = placement
         self._pool_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), pools)
         self._feed = feed_buffer(buckets.seqs[-1])  # every bucket has at most max_seqs rows
 
@@ -400,7 +446,8 @@ class DeviceExecutor:
             table = (jnp.concatenate([e for e, _ in pieces] + [jnp.zeros((pad, H), pieces[0][0].dtype)]),
                      jnp.concatenate([d for _, d in pieces] + [jnp.zeros((pieces[0][1].shape[0], pad, H),
                                                                          pieces[0][0].dtype)], axis=1))
-        out, self.pools = step(self.params, self.cfg, self.pools, batch, feed_tokens=self._feed, image_table=table)
+        out, self.pools = step(self.params, self.cfg, self.pools, batch, feed_tokens=self._feed, image_table=table,
+                               placement=self.placement)
         self._feed = out.feed_tokens
         return out, len(rows)
 
@@ -427,7 +474,7 @@ class DeviceExecutor:
                 return False
         except Exception:  # noqa: BLE001 - an error array: the failed step's outputs
             pass
-        self.pools = decoder.zeros(self._pool_shapes)
+        self.pools = allocate(self._pool_shapes, None if self.placement is None else self.placement.pools)
         self._feed = feed_buffer(self.buckets.seqs[-1])
         return True
 

@@ -1,6 +1,6 @@
 """The scheduler: which tokens of which requests the next step computes, and the bookkeeping after.
 
-Host-only: it chooses page ids and slot ids and never looks at array contents (DESIGN.md). One
+Host-only: it chooses page ids and slot ids and never looks at array contents (ARCHITECTURE.md). One
 engine iteration is ``plan = schedule()`` -> the runner executes the step -> ``commit(plan, ...)``.
 
 Overlapped scheduling (``Engine(overlap=True)``): step N+1 is planned and dispatched before step N
@@ -20,7 +20,7 @@ first, then a running request is preempted (released, requeued, recomputed later
 preemption victim (by default the newest) and, through the cache, the eviction order; the
 scheduler checks each answer and keeps the bookkeeping.
 
-Cache protocol (hybrid models), the invariants of DESIGN.md made concrete:
+Cache protocol (hybrid models), the invariants of ARCHITECTURE.md made concrete:
 - admission: ``match`` gives the deepest cached prefix that has a live snapshot (invariant 4);
   the request locks it, adopts its pages (incref) and gets its OWN fresh slot; the tree's
   snapshot is copied into that slot inside the next step (``Row.restore_src``). A barrier is
@@ -37,6 +37,7 @@ Cache protocol (hybrid models), the invariants of DESIGN.md made concrete:
 from __future__ import annotations
 
 import dataclasses
+import operator
 import time
 from typing import Callable
 
@@ -46,10 +47,14 @@ from jaxserve.engine.policy import FCFS, Policy, SchedulerView
 from jaxserve.engine.request import Request, Status
 
 
-@dataclasses.dataclass
+_by_arrival = operator.attrgetter("arrival")
+
+
+@dataclasses.dataclass(slots=True)
 class Row:
     """One request's share of a step: feed ``tokens`` at positions ``start``..; restore first if
-    ``restore_src``; write snapshots (tokens consumed in this row, destination slot)."""
+    ``restore_src``; write snapshots (tokens consumed in this row, destination slot). Slotted: the
+    scheduler makes one per running request per step."""
 
     req: Request
     start: int
@@ -152,15 +157,22 @@ class Scheduler:
         if not isinstance(budget, int) or not 1 <= budget <= self.max_prefill_tokens:
             raise ValueError(f"policy {policy.name!r}: token_budget {budget!r} is not in 1..{self.max_prefill_tokens}")
         rows: list[Row] = []
-        for req in sorted(self.running, key=lambda r: (r.num_pending > 1, r.arrival)):
+        # Decodes first, then unfinished prefills, each in arrival order. ``pending`` holds until
+        # the request's own row: only a preemption changes it earlier, and that is skipped below.
+        decodes, prefills = [], []
+        for req in sorted(self.running, key=_by_arrival):
+            pending = req.num_pending
+            (prefills if pending > 1 else decodes).append((req, pending))
+        ps = self.page_size
+        for req, pending in decodes + prefills:
             if budget == 0:
                 break
-            if req not in self.running:  # preempted while making room for an earlier row
+            if req.status is not Status.RUNNING:  # preempted while making room for an earlier row
                 continue
-            n = min(req.num_pending, self._chunk(req, budget))
+            n = min(pending, self._chunk(req, budget))
             if n == 0:  # its last token is sampled by the step in flight, or the policy holds it back
                 continue
-            if not self._reserve_pages(req, n, protect=rows):
+            if -(-(req.num_computed + n) // ps) > len(req.pages) and not self._reserve_pages(req, n, protect=rows):
                 continue
             rows.append(self._row(req, n, len(rows)))
             budget -= n
@@ -222,21 +234,23 @@ class Scheduler:
     def _row(self, req: Request, n: int, index: int) -> Row:
         """Plan ``n`` tokens of ``req`` as row ``index`` of the step, and account for them as fed."""
         start = req.num_computed
-        tokens = req.ids_between(start, start + n)
+        stop = start + n
+        tokens = req.ids_between(start, stop)
         feed = -1
         if len(tokens) < n:  # the last token is still being sampled by the step in flight
             assert len(tokens) == n - 1 and req.num_inflight == 1 and req.inflight_row >= 0, req
             tokens, feed = tokens + [0], req.inflight_row
-        samples = start + n == req.num_ids + req.num_inflight
-        row = Row(req, start, tokens, restore_src=req.restore_src, samples=samples, feed=feed,
-                  sample_idx=len(req.output_ids) + req.num_inflight, epoch=req.epoch)
-        req.num_computed, req.restore_src = start + n, 0  # the restore happens in this row's step
+        sampled = len(req.output_ids) + req.num_inflight  # output tokens sampled so far, committed or not
+        samples = stop == len(req.prompt_ids) + sampled
+        row = Row(req, start, tokens, req.restore_src, [], samples, feed, sampled,
+                  req.epoch)  # positional: the per-row cost of keywords shows in a 10k-request simulation
+        req.num_computed, req.restore_src = stop, 0  # the restore happens in this row's step
         if samples:
             req.num_inflight += 1
             req.inflight_row = index
-        if self.hybrid:
-            first = (start // self.interval + 1) * self.interval
-            for boundary in range(first, start + n + 1, self.interval):
+        first = (start // self.interval + 1) * self.interval
+        if self.hybrid and first <= stop:  # the row crosses a boundary (a decode: once in 64 steps)
+            for boundary in range(first, stop + 1, self.interval):
                 if self._tree_has_snapshot(req, boundary):
                     continue
                 slot = self._alloc_slot()
@@ -247,8 +261,8 @@ class Scheduler:
         return row
 
     def _tree_has_snapshot(self, req: Request, boundary: int) -> bool:
-        ids = req.all_cache_ids  # may lack a token in flight: then the peek is only shorter (no false yes)
-        return self.cache.peek(ids[: boundary + 1]) == boundary
+        # The ids may lack a token in flight: the answer is then only "no" (never a false yes).
+        return self.cache.has_snapshot_at(req.cache_ids_until(boundary + 1), boundary, req.locked)
 
     def _admit(self, req: Request, budget: int) -> int:
         """Admit ``req`` with its first chunk of at most ``budget`` tokens; 0 if it cannot start now."""
@@ -340,7 +354,8 @@ class Scheduler:
         finished = []
         for row, tok, lp in zip(plan.rows, tokens, logprobs):
             req = row.req
-            self.pending_snapshots.difference_update(slot for _, slot in row.snapshots)
+            if row.snapshots:
+                self.pending_snapshots.difference_update(slot for _, slot in row.snapshots)
             if row.epoch != req.epoch:
                 for _, slot in row.snapshots:
                     self.slots.free(slot)
@@ -359,7 +374,7 @@ class Scheduler:
 
     def _donate(self, req: Request, boundary: int, slot: int) -> None:
         n_pages = boundary // self.page_size
-        self.cache.insert(req.all_cache_ids[:boundary], req.pages[:n_pages], {boundary: slot})
+        self.cache.insert(req.cache_ids_until(boundary), req.pages[:n_pages], {boundary: slot}, hint=req.locked)
         if self.on_donate and slot in self.cache.owned_slots():
             self.on_donate(slot)
 
@@ -379,10 +394,10 @@ class Scheduler:
     def _release(self, req: Request, offer: bool = True) -> None:
         """Give back everything ``req`` holds; ``offer``: its whole computed pages go to the tree."""
         # Tokens fed to a step but still being sampled have no cache id yet: offer only known ones.
-        whole = min(req.num_computed, len(req.all_cache_ids)) // self.page_size
+        whole = min(req.num_computed, len(req.cache_ids) + len(req.output_ids)) // self.page_size
         if offer and whole and req.locked is not None:
             # Plain attention keeps every whole page; hybrid trees keep what a snapshot covers.
-            self.cache.insert(req.all_cache_ids[: whole * self.page_size], req.pages[:whole], {})
+            self.cache.insert(req.cache_ids_until(whole * self.page_size), req.pages[:whole], {})
         if req.locked is not None:
             self.cache.unlock(req.locked)
         self.pages.decref(req.pages)

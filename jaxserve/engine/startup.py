@@ -176,22 +176,30 @@ def step_memory(compiled: jax.stages.Compiled, program, param_bytes: int, pool_b
     return StepMemory(tuple(program), temp, temp + outputs + inputs, seconds)
 
 
-def _nbytes(tree) -> int:
-    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+def _nbytes(tree, shardings=None) -> int:
+    """Bytes of ``tree``'s arrays; with ``shardings`` (a matching pytree), one device's share."""
+    leaves = jax.tree.leaves(tree)
+    shapes = [x.shape for x in leaves] if shardings is None else [
+        s.shard_shape(x.shape) for x, s in zip(leaves, jax.tree.leaves(shardings))]
+    return sum(int(np.prod(shape)) * np.dtype(x.dtype).itemsize for x, shape in zip(leaves, shapes))
 
 
 class StepCompiler:
-    """Ahead-of-time compiles of one model's step programs (``runner.lower_step``)."""
+    """Ahead-of-time compiles of one model's step programs (``runner.lower_step``). Under a
+    ``placement`` (a model split over a mesh) every byte count is one device's: XLA's memory
+    analysis of a sharded program is per device, and so are the budget and the plan."""
 
-    def __init__(self, params, cfg: ModelConfig, buckets: Buckets):
+    def __init__(self, params, cfg: ModelConfig, buckets: Buckets, placement: runner.Placement | None = None):
         self.params, self.cfg, self.buckets = runner._abstract(params), cfg, buckets
-        self.param_bytes = _nbytes(params)
+        self.placement = placement
+        self.param_bytes = _nbytes(params, None if placement is None else placement.params)
 
     def compile(self, program, pools: Pools) -> StepMemory | None:
         """Compile ``program`` against pools of ``pools``' shapes (arrays or ``ShapeDtypeStruct``s)."""
         t0 = time.perf_counter()
-        compiled = runner.lower_step(self.params, self.cfg, pools, self.buckets, program).compile()
-        return step_memory(compiled, program, self.param_bytes, _nbytes(pools), time.perf_counter() - t0)
+        compiled = runner.lower_step(self.params, self.cfg, pools, self.buckets, program, self.placement).compile()
+        pool_bytes = _nbytes(pools, None if self.placement is None else self.placement.pools)
+        return step_memory(compiled, program, self.param_bytes, pool_bytes, time.perf_counter() - t0)
 
 
 def compile_programs(compiler: StepCompiler, pools: Pools, programs: Sequence, *, workers: int = 1,

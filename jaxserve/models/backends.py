@@ -27,11 +27,11 @@ import jax
 from jaxserve.config import ModelConfig
 
 KERNELS = ("gdn_decode", "gdn_prefill", "paged_attention", "conv1d", "moe")
-# 2026-12-02, session 3: gpu_check 26/26 on the H200, the engine hammer with the GDN kernels in
+# 2026-12-02: gpu_check 26/26 on the H200, the engine hammer with the GDN kernels in
 # fp32 (hit == cold) and with every kernel in bf16; speeds in benchmarks/RESULTS.md. conv1d joined
-# 2026-12-03 (session 5): gpu_check 7/7 (final and x64 snapshot conv states bit-exact, outputs
+# 2026-12-03: gpu_check 7/7 (final and x64 snapshot conv states bit-exact, outputs
 # 7e-8 relative in fp32), faster than XLA in every timed case (prefill 1.2-1.8x, update 2.3-2.5x),
-# and the bf16 hammer with every kernel drifted no more than bf16 cold-vs-cold does (RESULTS.md run 5).
+# and the bf16 hammer with every kernel drifted no more than bf16 cold-vs-cold does (RESULTS.md, engine hammer).
 # moe joined 2026-12-06: gpu_check 15/15 on the H100 (1 to 4096 tokens, random and skewed
 # routing, the kernel's two ring depths and the gather path; closer to the float64 oracle than ragged_dot; deterministic),
 # 1.1-23x faster than ragged_dot from 32 to 4096 tokens, and served end to end by

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jaxserve.config import ModelConfig
 from jaxserve.models import backends
 from jaxserve.models.layers import Ragged, gated_rms_norm, linear
+from jaxserve.parallel.layout import split_shards
 from pallas_kernels import conv1d, gdn_chunked, gdn_decode, gdn_reference
 from pallas_kernels.conv1d_reference import causal_conv1d_prefill, causal_conv1d_update
 from pallas_kernels.gdn_reference import gdn_recurrent
@@ -177,11 +178,13 @@ def project(p: dict, cfg: ModelConfig, x: jax.Array):
 
 
 def split_qkv(cfg: ModelConfig, mixed: jax.Array):
-    """Split the conv output [T, conv_dim] into q, k [T, Hk, dk] and v [T, Hv, dv]."""
+    """Split the conv output [T, conv_dim] into q, k [T, Hk, dk] and v [T, Hv, dv]. Under tensor
+    parallelism the channels are shard-major (``jaxserve.parallel.layout``)."""
     T, kd = mixed.shape[0], cfg.linear_key_dim
-    q = mixed[:, :kd].reshape(T, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
-    k = mixed[:, kd : 2 * kd].reshape(T, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
-    v = mixed[:, 2 * kd :].reshape(T, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
+    q, k, v = split_shards(mixed, (kd, kd, cfg.linear_value_dim))
+    q = q.reshape(T, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
+    k = k.reshape(T, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
+    v = v.reshape(T, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
     return q, k, v
 
 

@@ -22,10 +22,11 @@ from jax import lax
 
 from jaxserve.config import SLIDING_ATTENTION, ModelConfig
 from jaxserve.models import backends
+from jaxserve.parallel.layout import split_shards
 from pallas_kernels import moe as moe_kernel
 from pallas_kernels import paged_attention as paged_attention_kernel
 
-# Keys are visited in blocks of this many positions. It is the snapshot interval of DESIGN.md
+# Keys are visited in blocks of this many positions. It is the snapshot interval of ARCHITECTURE.md
 # invariant 1, so a block is whole pages for every legal page size (64 % page_size == 0).
 KEY_BLOCK = 64
 
@@ -44,7 +45,7 @@ class Ragged(NamedTuple):
     Gated DeltaNet layers: row ``b`` starts from slot ``read_slot[b]`` (its own slot, or the tree
     snapshot it restores from; ignored, zero state, when ``context_len[b] == 0``) and leaves its
     final state in ``write_slot[b]``. Snapshot ``s`` stores the state after ``snap_len[s]`` tokens
-    of row ``snap_seq[s]`` in slot ``snap_dst[s]`` (DESIGN.md invariants 1 and 2). Padding rows and
+    of row ``snap_seq[s]`` in slot ``snap_dst[s]`` (ARCHITECTURE.md invariants 1 and 2). Padding rows and
     padding snapshot entries name slot 0, the null slot.
     """
 
@@ -334,8 +335,8 @@ def routed_experts(xt: jax.Array, top_w: jax.Array, top_i: jax.Array, gate_up: j
     token_of = (jnp.arange(n * k) // k)[order]
     group_sizes = jnp.bincount(flat_expert, length=e).astype(jnp.int32)
     xs = xt[token_of]
-    gate_up = jax.lax.ragged_dot(xs, gate_up, group_sizes)
-    gate, up = jnp.split(gate_up, 2, axis=-1)
+    inter = down.shape[1]
+    gate, up = split_shards(jax.lax.ragged_dot(xs, gate_up, group_sizes), (inter, inter))  # shard-major under TP
     hs = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down, group_sizes)
     hs = hs * top_w.reshape(-1)[order][:, None]
     return jax.ops.segment_sum(hs, token_of, num_segments=n)

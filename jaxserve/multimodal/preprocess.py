@@ -195,8 +195,10 @@ def decode(data: bytes):
         with Image.open(io.BytesIO(data)) as probe:
             fmt, (width, height) = probe.format, probe.size
     except UnidentifiedImageError:
-        raise ImageError("payload is not a PNG, JPEG or WebP image") from None
-    except (OSError, ValueError, Image.DecompressionBombError) as e:
+        raise ImageError(_unidentified(data)) from None
+    except Image.DecompressionBombError as e:
+        raise ImageError(f"image is too large to decode: {e}") from None
+    except (OSError, ValueError) as e:
         raise ImageError(f"image cannot be read: {e}") from None
     if fmt not in ACCEPTED_FORMATS:
         raise ImageError(f"image format {fmt} is not accepted (use PNG, JPEG or WebP)")
@@ -211,3 +213,19 @@ def decode(data: bytes):
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         raise ImageError(f"image is corrupt or truncated: {e}") from None
     return image
+
+
+def _unidentified(data: bytes) -> str:
+    """Why Pillow could not identify ``data``: a PNG / JPEG / WebP signature whose header is bad
+    (zero-sized, or cut short) is named as such; anything else is not an image we take."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        if len(data) >= 24 and data[12:16] == b"IHDR":
+            width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+            if width == 0 or height == 0:
+                return f"image has zero size ({width}x{height})"
+        return "PNG image is corrupt or truncated (its header cannot be read)"
+    if data.startswith(b"\xff\xd8\xff"):
+        return "JPEG image is corrupt or truncated (its header cannot be read)"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WebP image is corrupt or truncated (its header cannot be read)"
+    return "payload is not a PNG, JPEG or WebP image"

@@ -5,7 +5,7 @@ Invariants:
 - Image i owns the i-th ``num_tokens(i)`` placeholder tokens of the prompt, in order, and its
   soft-token row j is the j-th of them. Placeholder runs are separated by the vision start / end
   tokens in every chat template; a run may still hold several images back to back.
-- ``cache_ids`` (DESIGN.md invariant 5): ``input_ids`` with every placeholder replaced by an id
+- ``cache_ids`` (ARCHITECTURE.md invariant 5): ``input_ids`` with every placeholder replaced by an id
   derived from its image's blake2b digest and its position inside the image, all in
   [CACHE_ID_BASE, 2 * CACHE_ID_BASE), above every vocabulary. Same image at the same place: same
   ids, a hit; a different image: different ids from its first placeholder on, a miss. When the

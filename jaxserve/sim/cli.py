@@ -71,6 +71,9 @@ def _add_sim_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-snapshots-per-path", type=int, default=None)
     p.add_argument("--no-overlap", action="store_true", help="simulate the synchronous step loop")
+    p.add_argument("--check-invariants", type=int, default=0, metavar="N",
+                   help="run the engine's leak and cache invariant check every N steps (default 0: never; "
+                        "it walks every page, slot and tree node)")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput SLO on TTFT (default: 2000)")
     p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="goodput SLO on TPOT (default: 100)")
 
@@ -129,7 +132,7 @@ def run(args) -> int:
     make_policy(args.policy)  # a bad name fails before anything is read
     records, name = _records(args)
     cost, config, slo = _setup(args)
-    result = simulate(records, args.policy, cost, config, scale=args.load)
+    result = simulate(records, args.policy, cost, config, scale=args.load, check_invariants=args.check_invariants)
     summary = summarize(result, slo)
     title = f"sim {name}: policy {args.policy}, load x{args.load}, {config.num_pages} pages, {config.num_slots} slots"
     print(render(summary, title))
@@ -155,7 +158,8 @@ def sweep(args) -> int:
         config = SimConfig(**{**base.__dict__, "num_pages": pages, "num_slots": slots})
         for load in args.loads:
             for policy in policies:
-                s = summarize(simulate(records, policy, cost, config, scale=load), slo)
+                s = summarize(simulate(records, policy, cost, config, scale=load,
+                                       check_invariants=args.check_invariants), slo)
                 rows.append({"policy": policy, "load": load, "num_pages": pages, "num_slots": slots,
                              "ttft_p50_ms": s["ttft_ms"]["p50"], "ttft_p99_ms": s["ttft_ms"]["p99"],
                              "tpot_p50_ms": s["tpot_ms"]["p50"], "e2e_p99_ms": s["e2e_ms"]["p99"],
@@ -210,6 +214,8 @@ def main(argv: list[str]) -> int:
         args = build_parsers()[sub].parse_args(rest)
         if getattr(args, "n", None) is not None and args.n < 1 or getattr(args, "rate", None) is not None and args.rate <= 0:
             raise ValueError("--n must be >= 1 and --rate > 0")
+        if getattr(args, "check_invariants", 0) < 0:
+            raise ValueError("--check-invariants must be >= 0")
         return {"run": run, "sweep": sweep, "gen": gen}[sub](args)
     except (TraceError, CostModelError, ValueError, OSError) as e:
         print(f"jaxserve: error: {e}", file=sys.stderr)

@@ -5,11 +5,11 @@ ids) to ``Entry(page, slot, t, st)``: the page holding that prefix's last page o
 snapshot at its end, and the two LRU times. Lock targets are a Counter of prefixes. Node
 boundaries are derived, never stored: a cached prefix ends a node iff it is a leaf, a branch
 point, carries a snapshot, or is a lock target (the tree's canonical form). Every operation is
-written from the cache's contract (DESIGN.md "Cache semantics"), not from the tree's code.
+written from the cache's contract (ARCHITECTURE.md "The prefix cache"), not from the tree's code.
 
 The harness plays the scheduler: requests match, lock, hold their own pages and one live slot,
 donate private clones, release. After every step it runs the tree's invariant battery, compares
-the tree with the model prefix by prefix, and checks the accounting of DESIGN.md invariant 7:
+the tree with the model prefix by prefix, and checks the accounting of ARCHITECTURE.md invariant 7:
 every page's refcount is exactly (tree holds it) + (number of live requests holding it), and every
 slot is free, held by exactly one live request, or held by the tree — never two of those.
 """

@@ -335,3 +335,73 @@ def test_node_prefix_helper():
     serve(h, toks(130))
     leaf = max(h.tree._nodes(), key=lambda n: n.end)
     assert node_prefix(leaf) == tuple(toks(128)) and node_prefix(h.tree.root) == ()
+
+
+@given(seed=st.integers(0, 2**31))
+@settings(max_examples=40, deadline=None)
+def test_walks_from_a_locked_hint_answer_as_from_the_root(seed):
+    """The scheduler asks about and donates a request's boundaries from the request's locked node
+    instead of the root. Two trees get the same operations, one with hints and one without: they
+    must stay identical (pages, slots, LRU times, locks), and ``has_snapshot_at`` must equal
+    ``peek(ids[:b + 1]) == b``, also after later inserts split the path above the hint and
+    evictions tombstone or drop nodes."""
+    import random
+
+    from tests.cache.reference_model import tree_view
+
+    rng = random.Random(seed)
+    trees = []
+    for _ in range(2):
+        pages, slots = PageAllocator(300), SlotAllocator(30)
+        trees.append((pages, slots, HybridRadixCache(pages, slots, PS, snapshot_interval=SI)))
+    blocks = [toks(SI // 2, s) for s in range(3)]  # half-interval blocks: prefixes share, splits fall inside
+
+    def prompt() -> list[int]:
+        head = [t for _ in range(rng.randint(1, 12)) for t in rng.choice(blocks)]
+        return head + toks(rng.randint(0, 40), rng.random())
+
+    def donate(ids: list[int], hints=(None, None)) -> None:
+        """Insert ``ids`` into both trees, donating each boundary above the hint with probability 0.6."""
+        n = len(ids) // PS
+        low = 0 if hints[0] is None else hints[0].end
+        keep = [b for b in every_boundary(n * PS) if b > low and rng.random() < 0.6]
+        for (pages, slots, tree), hint in zip(trees, hints):
+            got = pages.alloc(n) if n else []
+            if got is None:
+                tree.evict_kv(n - pages.num_free)
+                got = pages.alloc(n)
+            if not got:
+                continue
+            snaps = {}
+            for b in keep:
+                slot = slots.alloc()
+                if slot is None and tree.evict_snapshots(1):
+                    slot = slots.alloc()
+                if slot is not None:
+                    snaps[b] = slot
+            tree.insert(ids, got, snaps, hint=hint)  # the tree keeps or frees every donated slot
+            pages.decref(got)
+
+    for _ in range(6):
+        donate(prompt())
+    for _ in range(4):
+        ids = prompt()
+        hints = [tree.match(ids).node for _, _, tree in trees]
+        for (_, _, tree), hint in zip(trees, hints):
+            tree.lock(hint)
+        for _ in range(rng.randint(0, 4)):
+            donate(prompt())
+            if rng.random() < 0.5:
+                k = rng.randint(1, 3)
+                for _, _, tree in trees:
+                    tree.evict_snapshots(k)
+        donate(ids + toks(rng.randint(0, 3 * SI), rng.random()), (hints[0], None))  # the request's own donation
+        tree, hint = trees[0][2], hints[0]
+        for b in every_boundary(len(ids) + SI):
+            want = tree.peek(ids[:b + 1]) == b
+            assert tree.has_snapshot_at(ids[:b + 1], b, hint) == want, (b, hint)
+            assert tree.has_snapshot_at(ids[:b + 1], b) == want, b
+        for (_, _, tree), hint in zip(trees, hints):
+            tree.unlock(hint)
+            tree.check_invariants()
+        assert tree_view(trees[0][2]) == tree_view(trees[1][2]), "a hinted insert changed the tree"

@@ -1,4 +1,4 @@
-"""Greedy output does not depend on who else is being served (issue 26 item 9; DESIGN.md invariant
+"""Greedy output does not depend on who else is being served (issue 26 item 9; ARCHITECTURE.md invariant
 6, "hit equals cold whatever else is in the batch", can only be checked if this holds).
 
 Rows of one step could meet in: bucket padding (tokens and rows writing the null page / null slot),

@@ -1,6 +1,6 @@
 """The whole engine on tiny checkpoints of every family: scheduler + radix cache + pooled runner.
 
-"Hit equals cold" (DESIGN.md invariant 6) end to end: the same prompt served cold and then from
+"Hit equals cold" (ARCHITECTURE.md invariant 6) end to end: the same prompt served cold and then from
 the prefix cache — hits at several depths, one boundary short of the prompt end, after a finished
 multi-turn answer — gives the greedy tokens of the straight-line ``jaxserve.generate`` path (itself
 checked against transformers), while other requests decode in the same batches and some streams

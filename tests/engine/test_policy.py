@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from jaxserve.cache.allocator import PageAllocator, SlotAllocator
 from jaxserve.cache.radix import HybridRadixCache
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.policy import (POLICIES, DFSWeight, FairShare, LongestPrefixMatch, Policy, PriorityClasses,
+from jaxserve.engine.policy import (POLICIES, DFSWeight, FairShare, Policy, PriorityClasses,
                                     ShortestPredictedJobFirst, make_policy)
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.generate import SamplingParams

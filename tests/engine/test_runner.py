@@ -88,7 +88,7 @@ def _run_schedule(model):
     rand = lambda n: rng.integers(0, cfg.vocab_size, n).tolist()  # noqa: E731
     free_pages = iter(range(1, plan.num_pages))
     new_pages = lambda n: [next(free_pages) for _ in range(n)]  # noqa: E731
-    slot = (lambda s: s if hybrid else 0)
+    slot = lambda s: s if hybrid else 0  # noqa: E731
     seqs = {
         "A": Seq("A", rand(100), new_pages(8), slot(1), GREEDY),
         "B": Seq("B", rand(62), new_pages(8), slot(2), GREEDY),

@@ -65,7 +65,7 @@ def test_auto_on_a_gpu_takes_verified_kernels_unless_less_precise(monkeypatch):
 
 
 def test_conv1d_kernel_where_the_conv_dim_fits(monkeypatch):
-    """conv1d passed gpu_check (2026-12-03): ``auto`` picks it on a GPU where the channels fit its
+    """conv1d passed gpu_check: ``auto`` picks it on a GPU where the channels fit its
     tiling, falls back to jnp where they do not; naming it on a misfit is an error."""
     import jax
 
@@ -101,7 +101,7 @@ def test_auto_paged_attention_only_at_contract_head_dims(monkeypatch):
 
 
 def test_moe_kernel_on_a_gpu_for_bf16_only(monkeypatch):
-    """moe passed gpu_check (2026-12-06): ``auto`` picks it on a GPU for bf16 / fp16 activations
+    """moe passed gpu_check: ``auto`` picks it on a GPU for bf16 / fp16 activations
     and sizes its tiles divide; fp32 (tf32 WGMMA would be less precise) and misfits stay on jnp;
     naming it on a misfit is an error."""
     import jax

@@ -145,6 +145,18 @@ def _encoded(image: Image.Image, fmt: str) -> bytes:
     return buf.getvalue()
 
 
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG whose header declares ``width`` x ``height`` (its pixel data is a stub)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b""))
+
+
 def test_decode_accepts_png_jpeg_webp():
     image = Image.new("RGB", (20, 12), (200, 10, 10))
     for fmt in ("PNG", "JPEG", "WEBP"):
@@ -158,6 +170,11 @@ def test_decode_accepts_png_jpeg_webp():
     (_encoded(Image.new("RGB", (40, 40), (1, 2, 3)), "PNG")[:60], "corrupt or truncated|cannot be read"),
     (_encoded(Image.new("RGB", (8, 8)), "GIF"), "GIF is not accepted"),
     (_encoded(Image.new("1", (9000, 8000)), "PNG"), "above the"),
+    (_encoded(Image.new("RGB", (40, 40)), "PNG")[:12], "PNG image is corrupt or truncated"),
+    (_encoded(Image.new("RGB", (40, 40)), "JPEG")[:40], "(?i)truncated"),
+    (_png_header(0, 0), r"zero size \(0x0\)"),
+    (_png_header(7, 0), r"zero size \(7x0\)"),
+    (_png_header(30000, 30000), "too large to decode"),
 ])
 def test_decode_refuses_bad_payloads(payload, match):
     with pytest.raises(pp.ImageError, match=match):

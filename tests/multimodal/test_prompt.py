@@ -1,8 +1,7 @@
-"""Placeholder expansion, prefill windows and content-keyed cache ids (DESIGN.md invariant 5)."""
+"""Placeholder expansion, prefill windows and content-keyed cache ids (ARCHITECTURE.md invariant 5)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st

@@ -119,8 +119,10 @@ def test_unsupported_channels_are_refused():
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_kernels_lower_for_the_gpu(dtype):
-    """Mosaic GPU lowering (layouts, TMA sizes, strided state columns) runs without a GPU: at the
-    model's conv dim, both kernels must lower for CUDA (compiling to PTX needs the device)."""
+    """Mosaic GPU lowering (layouts, TMA sizes, strided state columns) runs without a GPU, and the
+    interpreter does not take it: at the model's conv dim, each entry point must lower for CUDA to
+    exactly one Mosaic GPU kernel (not a fallback; compiling to PTX needs the device). Their values
+    are checked against the reference in interpret mode above."""
     import jax
 
     Cm, T, B = 8192, 256, 4
@@ -129,6 +131,9 @@ def test_kernels_lower_for_the_gpu(dtype):
     cu, init, snaps = f((5,), jnp.int32), f((4, Cm, K - 1), jnp.float32), f((S,), jnp.int32)
     prefill = jax.jit(lambda x, w, b, cu, init, s, n: conv1d.causal_conv1d_prefill_pallas(
         x, w, b, cu_seqlens=cu, initial_state=init, snapshot_seq=s, snapshot_len=n))
-    prefill.trace(x, w, b, cu, init, snaps, snaps).lower(lowering_platforms=("cuda",))
+    text = prefill.trace(x, w, b, cu, init, snaps, snaps).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1
     update = jax.jit(conv1d.causal_conv1d_update_pallas)
-    update.trace(f((B, Cm), dtype), f((B, Cm, K - 1), jnp.float32), w, b).lower(lowering_platforms=("cuda",))
+    text = update.trace(f((B, Cm), dtype), f((B, Cm, K - 1), jnp.float32), w, b).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1

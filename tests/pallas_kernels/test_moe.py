@@ -235,10 +235,14 @@ def test_backend_switch_and_contract():
 @pytest.mark.parametrize("n", [1, 4096])
 def test_kernels_lower_for_the_gpu(n):
     """Mosaic GPU lowering (TMA boxes, swizzles, WGMMA operand layouts, the SMEM budget) runs
-    without a GPU: both kernels must lower for CUDA at the target model's shapes (hidden 2048, 64
-    experts top-8, intermediate 512, bf16), decode (the kernel forced at one token) and prefill."""
+    without a GPU, and the interpreter does not take it: at the target model's shapes (hidden 2048,
+    64 experts top-8, intermediate 512, bf16), decode (the kernel forced at one token) and prefill,
+    the experts must lower for CUDA to exactly two Mosaic GPU kernels (gate/up and down; no jnp
+    fallback). Their values are checked against the references in interpret mode above."""
     f = jax.ShapeDtypeStruct
     Et, kt, Ht, It = 64, 8, 2048, 512
     fn = jax.jit(lambda x, w, i, g, d: moe.moe_experts(x, w, i, g, d, gather_below=0))
-    fn.trace(f((n, Ht), jnp.bfloat16), f((n, kt), jnp.float32), f((n, kt), jnp.int32),
-             f((Et, Ht, 2 * It), jnp.bfloat16), f((Et, It, Ht), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
+    text = fn.trace(f((n, Ht), jnp.bfloat16), f((n, kt), jnp.float32), f((n, kt), jnp.int32),
+                    f((Et, Ht, 2 * It), jnp.bfloat16), f((Et, It, Ht), jnp.bfloat16)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 2

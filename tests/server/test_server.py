@@ -288,7 +288,10 @@ BAD = [
     ("top_logprobs without logprobs", "/v1/chat/completions", _chat(top_logprobs=2), 400, "top_logprobs"),
     ("image part", "/v1/chat/completions",
      _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400,
-     "messages.0.content"),
+     "messages.0.content.0"),
+    ("audio part", "/v1/chat/completions",
+     _chat(messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]), 400,
+     "messages.0.content.0.type"),
     ("message without role", "/v1/chat/completions", _chat(messages=[{"content": "hi"}]), 400, "messages.0.role"),
     ("unknown route", "/v1/nothing", _cmpl(), 404, None),
 ]

@@ -117,3 +117,20 @@ def test_a_plug_in_policy_object_runs():
     res = simulate(recs, Newest(), cost(const=0.01), SimConfig(**{**SMALL.__dict__, "max_running": 1}))
     finish = [r.finish for r in res.requests]
     assert finish == sorted(finish, reverse=True)
+
+
+@pytest.mark.parametrize("every", [0, 1, 7])
+def test_invariant_check_runs_every_n_steps(every, monkeypatch):
+    """``check_invariants=N`` (``jaxserve sim --check-invariants N``) checks after every N-th step
+    of the engine loop, 0 never; the timeline does not depend on it."""
+    from jaxserve.engine.engine import Engine
+
+    calls = []
+    check = Engine.check_invariants
+    monkeypatch.setattr(Engine, "check_invariants", lambda self: (calls.append(1), check(self)))
+    recs = workload.shared_prompts(12, rate=5.0, groups=2, group_len=128, input_len=64, output_len=16)
+    res = simulate(recs, "fcfs", cost(const=0.01, tokens=1e-4), SMALL, check_invariants=every)
+    base = simulate(recs, "fcfs", cost(const=0.01, tokens=1e-4), SMALL)
+    loop_steps = len(res.pressure.t)  # one pressure sample per step of the engine loop
+    assert len(calls) == (loop_steps // every if every else 0) and (every == 0 or calls)
+    assert [(r.first_token, r.finish) for r in res.requests] == [(r.first_token, r.finish) for r in base.requests]

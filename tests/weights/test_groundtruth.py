@@ -542,8 +542,8 @@ def test_dense_export_upcycles_into_the_same_function(tmp_path, tok):
 
 
 def test_extend_vocab_keeps_every_id_and_adds_one_token_per_name(tmp_path):
-    """--init-from EXPORT --extend-vocab on an export whose tokenizer splits names (the session-3
-    models): ids and embedding rows kept, each name one new token whose row starts as the mean of
+    """--init-from EXPORT --extend-vocab on an export whose tokenizer splits names (the earliest
+    exports): ids and embedding rows kept, each name one new token whose row starts as the mean of
     its old pieces' rows. A fresh run has the name tokens already: extending it is refused."""
     kw = dict(smoke=True, kinds=("arithmetic",), batch_tokens=1024, log_every=100, log=lambda *_: None)
     base_dir = tmp_path / "base_tok"

@@ -16,7 +16,7 @@ new so the optimiser can move them faster (``--grow-lr-scale``) than the trained
   rows and 0 columns of o_proj, so they add exactly 0. q_norm/k_norm act per head_dim and are shared.
 
 Why: the default model's needle misses are selection failures (another line's code), and three
-anneals had flattened out at 93 % (weights/README.md, session 11): more retrieval capacity, grown
+anneals had flattened out at 93 %: more retrieval capacity, grown
 from the trained model rather than trained from scratch, keeps everything it already does.
 """
 

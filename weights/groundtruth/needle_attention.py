@@ -5,8 +5,8 @@ weights of every full-attention head from the position that predicts the answer'
 (the one that must pick the line): the share on the target line, on all context lines, and on the
 target code's first digit, beside the share a head that cannot tell lines apart would give the
 target line (1 / lines). A model that has learnt retrieval puts most of its weight on the target
-line in some head; session 5's models attend to every line's first digit about evenly
-(weights/README.md). Runs the training forward (dense attention, fp32) on the CPU in about a minute:
+line in some head; models trained on open-vocabulary names attended to every line's first digit
+about evenly. Runs the training forward (dense attention, fp32) on the CPU in about a minute:
 
     python -m weights.groundtruth.needle_attention weights/default [--probes 30] [--seed 11]
 """

@@ -78,8 +78,8 @@ def _name_pool(size: int, seed: int) -> tuple[str, ...]:
 # Needle NAMEs come from a fixed pool of capitalised pseudo-words, large enough for the longest
 # context (a 4k-token context holds ~300 lines, names distinct) and small enough that the
 # tokenizer gives every name ONE token (``tokenizer.build``): retrieval then matches one key
-# token instead of 2-5 BPE pieces. Models trained on open-vocabulary names (session 3 and
-# before) learnt copying but not name-to-line selection in ~4k steps. Probes draw from the same
+# token instead of 2-5 BPE pieces. Models trained on open-vocabulary names learnt copying
+# but not name-to-line selection in ~4k steps. Probes draw from the same
 # pool; the held-out part of a probe is its (context, names, codes, target) combination.
 NAME_POOL_SIZE = 1024
 NAME_POOL: tuple[str, ...] = _name_pool(NAME_POOL_SIZE, seed=20261203)
@@ -102,7 +102,7 @@ def _operand(rng: random.Random, mixed_digits: bool) -> int:
 
 def _hard_operands(rng: random.Random, op: str) -> tuple[int, int]:
     """Operands whose answer needs a long carry or borrow chain, the cases the trained models get
-    wrong (session 7: 30 of weights/default's 35 misses in 300 probes were A - B with A and B close,
+    wrong (30 of an earlier default model's 35 misses in 300 probes were A - B with A and B close,
     the rest sums across a power of ten). The answer is written most significant digit first, so
     its first digit depends on every lower digit's carry. ``-``: B within 10^k of A (k 1..3), the
     difference short and borrow-heavy; ``+``: B about 10^k - (A mod 10^k) (k 2..4), the sum just
@@ -224,7 +224,7 @@ def needle_echo(rng: random.Random, context_tokens: int, count_tokens: Callable[
     tokens back" at every code's first digit. In the chat form the asked NAME sits six tokens
     before the answer (behind ``? <|im_end|> \n <|im_start|> assistant \n``), so the match needs
     features at both ends that nothing else in the data rewards, and models plateaued at chance
-    selection (sessions 3-5). Restating ``The code for NAME is `` puts the asked NAME two tokens
+    selection. Restating ``The code for NAME is `` puts the asked NAME two tokens
     before the first digit: the short causal conv of any GDN layer already mixes it into both the
     query and the key positions, so one attention layer can learn the match directly; the chat
     form then only has to carry the NAME to the answer position."""

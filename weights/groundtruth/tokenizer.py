@@ -8,7 +8,7 @@ them: the 256 byte symbols, then merges), the specials ``<|endoftext|>``, ``<|im
 ``<|im_end|>`` (ids ``BASE_VOCAB - 3 .. BASE_VOCAB - 1``), then the name tokens that
 ``with_single_token_names`` appends so that every needle NAME of ``tasks.NAME_POOL`` is one
 token. ``vocab_size`` is exactly the tokenizer's size. The first two ranges are the whole
-tokenizer of the session-3 models, so ``with_single_token_names`` can extend such a model's
+tokenizer of the earliest exports (1024 ids), so ``with_single_token_names`` can extend such a model's
 tokenizer (and ``train --extend-vocab`` its embeddings) without moving an id. Deterministic
 (single-threaded training on a seeded corpus): every run writes identical files.
 """

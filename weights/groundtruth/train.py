@@ -185,7 +185,7 @@ def _sdpa_causal_attention(p, cfg: ModelConfig, x, positions, B: int, T: int, *,
     - "xla" (``--train-attention fused``; what ``implementation=None`` picks on every backend in
       jax 0.11.2, whatever its docs promise): XLA's softmax, which materialises the
       [B, heads, T, T] scores as ``dense`` does: the 4224-token bucket's step needs 16.33 GiB of
-      temporaries on the H200 (session 7), and the CPU compile's largest buffers are those scores;
+      temporaries on the H200, and the CPU compile's largest buffers are those scores;
     - "cudnn" (``--train-attention cudnn``): cuDNN's flash attention, forward and backward, no
       scores in memory; GPU only, bf16/fp16 only (``train`` refuses it elsewhere)."""
     q, k, v, gate = attention_in(p, cfg, x, positions)
