@@ -11,7 +11,7 @@ does not name must come back bit-identical; the same call repeated must give bit
 results (a moving result is a race). Exit status 1 if any case fails. The ragged prefill suites
 (``chunked``, ``conv1d``) check every output and state against a float64 oracle on a subset of
 heads / channels and against the jnp reference on the GPU, and padding tokens must give zeros.
-The ``moe`` suite (``--suites moe``; not run by default yet) checks the routed experts
+The ``moe`` suite checks the routed experts
 (``pallas_kernels/moe.py``) at decode and prefill token counts against a float64 oracle on up to 64
 tokens and against ``layers.routed_experts`` (``lax.ragged_dot``) on the GPU, and reports the max
 absolute error beside the relative ones.
@@ -586,9 +586,9 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--batches", default="1,64,256,512")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke run of this script (slow: use --batches 1)")
-    ap.add_argument("--suites", default="decode,paged_attention,chunked,conv1d",
+    ap.add_argument("--suites", default="decode,paged_attention,chunked,conv1d,moe",
                     help="decode (GDN/KDA), paged_attention, chunked (GDN/KDA prefill), conv1d (short conv), "
-                         "moe (routed experts; not in the default list until it has run on the GPU)")
+                         "moe (MoE routed experts)")
     args = ap.parse_args()
     suites = args.suites.split(",")
     print(jax.devices())
