@@ -10,7 +10,9 @@ fp32 arithmetic far under 1e-3; outputs rounded to bf16 between 1e-3 and 1e-2; N
 does not name must come back bit-identical; the same call repeated must give bit-identical
 results (a moving result is a race). Exit status 1 if any case fails. The ragged prefill suites
 (``chunked``, ``conv1d``) check every output and state against a float64 oracle on a subset of
-heads / channels and against the jnp reference on the GPU, and padding tokens must give zeros.
+heads / channels and against the jnp reference on the GPU, and padding tokens must give zeros;
+``gdn_fused`` (asked for by name) checks ``pallas_kernels/gdn_chunk_fused.py`` the same way with
+bf16 operands, gates strong enough to stress its on-chip UT inverse included.
 The ``moe`` suite checks the routed experts
 (``pallas_kernels/moe.py``) at decode and prefill token counts against a float64 oracle on up to 64
 tokens and against ``layers.routed_experts`` (``lax.ragged_dot``) on the GPU, and reports the max
@@ -367,6 +369,66 @@ def chunked_checks(interpret=False):
         yield r
 
 
+# GDN chunked prefill as one kernel (pallas_kernels/gdn_chunk_fused.py: the UT transform on chip), at
+# the chunked suite's shapes and checks. Cases: (ragged, largest per-token log-decay). Gates up to 1
+# per token (the benchmark's) make the chunk's UT inverse far from the identity: the regime where its
+# tf32 block merges on the GPU could lose accuracy. bf16 activations and operands (the GPU path).
+FUSED_CASES = [(True, 0.03), (False, 0.03), (True, 1.0)]
+
+
+def check_gdn_fused(ragged, gate, seed, interpret=False):
+    from pallas_kernels.gdn_chunk_fused import gdn_chunk_fused
+    from pallas_kernels.gdn_reference import gdn_chunked
+
+    rng = np.random.default_rng(seed)
+    T, dtype = (300 if interpret else CH_TOKENS), jnp.bfloat16
+    x, cu, init, start, snap_seq, snap_len = chunked_inputs(rng, kind="gdn", T=T, ragged=ragged, dtype=dtype,
+                                                            interpret=interpret)
+    x["g"] = np.asarray(jnp.asarray(-rng.uniform(0, gate, size=x["g"].shape), dtype).astype(jnp.float32))
+    xd = {n: jnp.asarray(a, dtype) for n, a in x.items()}
+    idx = dict(cu_seqlens=jnp.asarray(cu), initial_state=jnp.asarray(init), start_pos=jnp.asarray(start),
+               snapshot_seq=jnp.asarray(snap_seq), snapshot_len=jnp.asarray(snap_len))
+    kernel = jax.jit(lambda x, idx: gdn_chunk_fused(**x, **idx, interpret=interpret))
+    t0 = time.perf_counter()
+    o, fin, snaps = jax.block_until_ready(kernel(xd, idx))
+    first_call_s = time.perf_counter() - t0
+    o2, fin2, snaps2 = kernel(xd, idx)
+    deterministic = bool(np.array_equal(np.asarray(o2.astype(jnp.float32)), np.asarray(o.astype(jnp.float32)))
+                         and np.array_equal(np.asarray(fin2), np.asarray(fin))
+                         and np.array_equal(np.asarray(snaps2), np.asarray(snaps)))
+    o, fin, snaps = np.asarray(o.astype(jnp.float32)), np.asarray(fin), np.asarray(snaps)
+    o_j, fin_j, snaps_j = jax.jit(lambda x, idx: gdn_chunked(**x, **idx))(xd, idx)
+    o_j, fin_j, snaps_j = np.asarray(o_j.astype(jnp.float32)), np.asarray(fin_j), np.asarray(snaps_j)
+    Hv = x["v"].shape[1]
+    heads = np.sort(rng.choice(Hv, min(CH_ORACLE_HEADS, Hv), replace=False))
+    o64, fin64, snaps64 = chunked_oracle64(x, cu, init, snap_seq, snap_len, heads)
+    n_real = int(cu[-1])
+    res = dict(kernel="gdn_chunk_fused", variant="gdn_fused_bf16mm", B=len(cu) - 1, dtype="bfloat16", seed=seed,
+               tokens=n_real, T=T, ragged=ragged, max_gate=gate, snapshots=len(snap_seq),
+               oracle_heads=heads.tolist(),
+               o_rel_err=rel(o[:n_real, heads], o64[:n_real]),
+               state_rel_err=rel(np.concatenate([fin[:, heads], snaps[:, heads]]), np.concatenate([fin64, snaps64])),
+               o_rel_err_vs_jnp=rel(o[:n_real], o_j[:n_real]),
+               state_rel_err_vs_jnp=rel(np.concatenate([fin, snaps]), np.concatenate([fin_j, snaps_j])),
+               jnp_o_rel_err=rel(o_j[:n_real, heads], o64[:n_real]),
+               finite=bool(np.isfinite(o).all() and np.isfinite(fin).all() and np.isfinite(snaps).all()),
+               padding_zero=bool((o[n_real:] == 0).all()), deterministic=deterministic,
+               first_call_s=round(first_call_s, 2))
+    return with_verdict(res, CH_O_TOL[jnp.bfloat16], CH_STATE_TOL[jnp.bfloat16])
+
+
+def gdn_fused_checks(interpret=False):
+    """Every FUSED_CASES case, one record each; a case that raises is recorded as an error."""
+    cases = FUSED_CASES[:1] if interpret else FUSED_CASES
+    for seed, (ragged, gate) in enumerate(cases, 251):
+        try:
+            r = check_gdn_fused(ragged, gate, seed, interpret)
+        except Exception as e:  # keep going: one broken case must not hide the others
+            r = dict(kernel="gdn_chunk_fused", variant="gdn_fused_bf16mm", B=-1, dtype="bfloat16", ok=False,
+                     ragged=ragged, max_gate=gate, error=f"{type(e).__name__}: {str(e)[:2000]}")
+        yield r
+
+
 # ------------------------------------------------------------------------------------------------
 # conv1d (pallas_kernels/conv1d.py): the GDN short conv, prefill over ragged sequences and the
 # decode update, at the Qwen3-Next conv dim (2 * 16 * 128 + 32 * 128 = 8192), K = 4.
@@ -588,7 +650,7 @@ def main():
     ap.add_argument("--interpret", action="store_true", help="CPU smoke run of this script (slow: use --batches 1)")
     ap.add_argument("--suites", default="decode,paged_attention,chunked,conv1d,moe",
                     help="decode (GDN/KDA), paged_attention, chunked (GDN/KDA prefill), conv1d (short conv), "
-                         "moe (MoE routed experts)")
+                         "moe (MoE routed experts), gdn_fused (GDN prefill as one kernel; not in the default)")
     args = ap.parse_args()
     suites = args.suites.split(",")
     print(jax.devices())
@@ -619,6 +681,7 @@ def main():
         log.write(json.dumps(r) + "\n")
         log.flush()
     for r in itertools.chain(chunked_checks(args.interpret) if "chunked" in suites else (),
+                             gdn_fused_checks(args.interpret) if "gdn_fused" in suites else (),
                              conv1d_checks(args.interpret) if "conv1d" in suites else (),
                              moe_checks(args.interpret) if "moe" in suites else ()):
         results.append(r)

@@ -5,8 +5,9 @@ vs the roofline, one JSON record per case.
     python benchmarks/kernels.py --table benchmarks/results/kernels-h200.json   # RESULTS.md table
 
 Kernel families register a ``Suite`` in ``SUITES`` (cases, a JAX runner, a peer runner): GDN/KDA
-decode, paged attention, chunked prefill, the causal conv1d and the MoE routed experts (``moe``:
-ours vs ``lax.ragged_dot`` vs the gather path; no peer).
+decode, paged attention, chunked prefill (``chunked``; ``gdn_fused``: GDN prefill as one kernel,
+timed beside the split kernel), the causal conv1d and the MoE routed experts (``moe``: ours vs
+``lax.ragged_dot`` vs the gather path; no peer).
 
 Method (the device tool's METHOD.md): inputs are random (never zeros), states live in a pool of
 at least 256 slots (>= 512 MiB, many times the 60 MB L2) and every step of a timed chain moves to
@@ -74,6 +75,8 @@ def case_key(case):
         return paged_case_key(m)
     if m.get("suite") == "chunked":
         return chunked_case_key(m)
+    if m.get("suite") == "gdn_fused":
+        return fused_case_key(m)
     if m.get("suite") == "conv1d":
         return conv1d_case_key(m)
     if m.get("suite") == "moe":
@@ -361,7 +364,8 @@ def fla_worker(cases_json):
     cases = json.loads(cases_json)
     for case in cases:
         try:
-            run = {"chunked": run_chunked_fla, "conv1d": run_conv1d_fla}.get(case.get("suite"), run_decode_fla)
+            run = {"chunked": run_chunked_fla, "gdn_fused": run_chunked_fla,
+                   "conv1d": run_conv1d_fla}.get(case.get("suite"), run_decode_fla)
             res = run(case)
         except Exception as e:  # noqa: BLE001  (a CUDA fault usually kills the process instead)
             res = dict(error=f"{type(e).__name__}: {str(e)[:600]}")
@@ -918,6 +922,77 @@ def run_chunked_fla(case):
     return res
 
 
+# GDN chunked prefill as one kernel (pallas_kernels/gdn_chunk_fused.py, the UT transform on chip):
+# the chunked suite's GDN cases (same layouts, inputs, bytes and FLOP count, so its rows sit beside
+# gdn_chunked_prefill's), bf16 operands, its own kernel name so neither suite's rows replace the
+# other's. ``baseline_chunked_bf16mm`` is gdn_chunked_pallas (XLA UT transform + the recurrence
+# kernel) timed in the same run, recorded in the detail but never taken as ours; no jnp reference
+# (the chunked suite times it). Peer: fla chunk_gated_delta_rule (run_chunked_fla).
+CHECKED_AS["fused_bf16mm"] = "gdn_fused_bf16mm"
+
+
+def fused_cases(quick=False):
+    return [dict(c, suite="gdn_fused") for c in chunked_cases(quick) if c["kind"] == "gdn"]
+
+
+def fused_case_key(m):
+    return "gdn_chunked_prefill_fused", chunked_case_key(m)[1]
+
+
+def run_fused_jax(case, allowed=None):
+    """Ours (if gpu_check passed it) and today's split kernel as the same-run baseline: a jitted
+    chain of ``steps`` prefill calls, each one's final states the next one's initial states."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels.gdn_chunk_fused import gdn_chunk_fused
+    from pallas_kernels.gdn_chunked import gdn_chunked_pallas
+
+    lens, start, snap = chunked_layout(case)
+    steps = 1 if os.environ.get("KERNELS_SMOKE") or case["tokens"] > 16384 else 4
+    x = chunked_inputs_np(case)
+    dt = dict(q=jnp.bfloat16, k=jnp.bfloat16, v=jnp.bfloat16, g=jnp.float32, beta=jnp.bfloat16)
+    xd = {n: jnp.asarray(a, dt[n]) for n, a in x.items()}
+    idx = dict(cu_seqlens=jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32),
+               start_pos=jnp.asarray(start), snapshot_seq=jnp.arange(len(lens), dtype=jnp.int32),
+               snapshot_len=jnp.asarray(snap))
+    interpret = bool(os.environ.get("KERNELS_SMOKE"))
+    fns, out = {}, {}
+    if allowed is not None and "fused_bf16mm" not in allowed:
+        out["ours_fused_bf16mm"] = dict(error="not run: failed or missing in gpu_check")
+    else:
+        fns["ours_fused_bf16mm"] = lambda x, s: gdn_chunk_fused(**x, **idx, initial_state=s, interpret=interpret)
+    fns["baseline_chunked_bf16mm"] = lambda x, s: gdn_chunked_pallas(
+        **x, **idx, initial_state=s, matmul_dtype="bfloat16", interpret=interpret)
+
+    def make_chain(call):
+        call = jax.jit(call)
+
+        def chain(state, x):
+            outs = []
+            for _ in range(steps):
+                o, state, snaps = call(x, state)
+                outs.append((o, snaps))
+            return state, outs
+        return jax.jit(chain, donate_argnums=(0,))
+
+    shape = (len(lens), case["Hv"], case["dk"], case["dv"])
+    for name, call in fns.items():
+        state = jax.random.normal(jax.random.key(1), shape, jnp.float32) * 0.1
+        try:
+            hlo_name = "-".join(fused_case_key(case)).replace(" ", "_").replace("(", "").replace(")", "") + f"-{name}"
+            _, res = time_jax_chain(make_chain(call), state, (xd,), steps, hlo_name=hlo_name)
+        except Exception as e:  # noqa: BLE001
+            res = dict(error=f"{type(e).__name__}: {str(e)[:600]}")
+        res.update(steps=steps, flops=chunked_flops(case))
+        if "kernel_ms" in res:
+            res["tflops"] = round(res["flops"] / (res["kernel_ms"] * 1e-3) / 1e12, 2)
+        out[name] = res
+        print(f"  {name:24} {json.dumps(res)}", flush=True)
+    return out
+
+
 # ------------------------------------------------------------------------------------------------
 # Causal conv1d (pallas_kernels/conv1d.py): the short conv in front of GDN
 # ------------------------------------------------------------------------------------------------
@@ -1225,6 +1300,7 @@ SUITES = {"decode": Suite(decode_cases, run_decode_jax, decode_state_bytes),
           "paged_attention": Suite(paged_cases, run_paged_jax, paged_bytes, has_peer=False, in_process_peer=True,
                                    flops=paged_flops),
           "chunked": Suite(chunked_cases, run_chunked_jax, chunked_bytes),
+          "gdn_fused": Suite(fused_cases, run_fused_jax, chunked_bytes),
           "conv1d": Suite(conv1d_cases, run_conv1d_jax, conv1d_bytes),
           "moe": Suite(moe_cases, run_moe_jax, moe_bytes, has_peer=False, flops=moe_flops)}
 
