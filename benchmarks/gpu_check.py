@@ -11,8 +11,9 @@ does not name must come back bit-identical; the same call repeated must give bit
 results (a moving result is a race). Exit status 1 if any case fails. The ragged prefill suites
 (``chunked``, ``conv1d``) check every output and state against a float64 oracle on a subset of
 heads / channels and against the jnp reference on the GPU, and padding tokens must give zeros;
-``gdn_fused`` (asked for by name) checks ``pallas_kernels/gdn_chunk_fused.py`` the same way with
-bf16 operands, gates strong enough to stress its on-chip UT inverse included.
+``gdn_fused`` and ``kda_fused`` (asked for by name) check ``pallas_kernels/gdn_chunk_fused.py`` and
+``kda_chunk_fused.py`` the same way with bf16 operands, gates strong enough to stress the on-chip UT
+inverse (and, for KDA, the per-channel decay's range) included.
 The ``moe`` suite checks the routed experts
 (``pallas_kernels/moe.py``) at decode and prefill token counts against a float64 oracle on up to 64
 tokens and against ``layers.routed_experts`` (``lax.ragged_dot``) on the GPU, and reports the max
@@ -369,26 +370,39 @@ def chunked_checks(interpret=False):
         yield r
 
 
-# GDN chunked prefill as one kernel (pallas_kernels/gdn_chunk_fused.py: the UT transform on chip), at
-# the chunked suite's shapes and checks. Cases: (ragged, largest per-token log-decay). Gates up to 1
-# per token (the benchmark's) make the chunk's UT inverse far from the identity: the regime where its
-# tf32 block merges on the GPU could lose accuracy. bf16 activations and operands (the GPU path).
-FUSED_CASES = [(True, 0.03), (False, 0.03), (True, 1.0)]
+# GDN / KDA chunked prefill as one kernel (pallas_kernels/gdn_chunk_fused.py, kda_chunk_fused.py: the
+# UT transform on chip), at the chunked suite's shapes and checks. Cases: (ragged, largest per-token
+# log-decay). GDN gates up to 1 per token (the benchmark's) make the chunk's UT inverse far from the
+# identity: the regime where its tf32 block merges on the GPU could lose accuracy. KDA's per-channel
+# gates up to 5 per token put a chunk's cumulative log-decay far past fp32's exponent range: the
+# regime its sub-block reference points are for. bf16 activations and operands (the GPU path).
+FUSED_CASES = {"gdn": [(True, 0.03), (False, 0.03), (True, 1.0)],
+               "kda": [(True, 0.03), (False, 0.03), (True, 5.0)]}
+FUSED_SEEDS = {"gdn": 251, "kda": 271}
 
 
-def check_gdn_fused(ragged, gate, seed, interpret=False):
-    from pallas_kernels.gdn_chunk_fused import gdn_chunk_fused
-    from pallas_kernels.gdn_reference import gdn_chunked
+def fused_kernel(kind):
+    """(kernel, jnp chunked reference) of the one-kernel prefill of ``kind``."""
+    if kind == "gdn":
+        from pallas_kernels.gdn_chunk_fused import gdn_chunk_fused
+        from pallas_kernels.gdn_reference import gdn_chunked
+        return gdn_chunk_fused, gdn_chunked
+    from pallas_kernels.kda_chunk_fused import kda_chunk_fused
+    from pallas_kernels.kda_reference import kda_chunked
+    return kda_chunk_fused, kda_chunked
 
+
+def check_fused(kind, ragged, gate, seed, interpret=False):
+    fused, chunked = fused_kernel(kind)
     rng = np.random.default_rng(seed)
     T, dtype = (300 if interpret else CH_TOKENS), jnp.bfloat16
-    x, cu, init, start, snap_seq, snap_len = chunked_inputs(rng, kind="gdn", T=T, ragged=ragged, dtype=dtype,
+    x, cu, init, start, snap_seq, snap_len = chunked_inputs(rng, kind=kind, T=T, ragged=ragged, dtype=dtype,
                                                             interpret=interpret)
     x["g"] = np.asarray(jnp.asarray(-rng.uniform(0, gate, size=x["g"].shape), dtype).astype(jnp.float32))
     xd = {n: jnp.asarray(a, dtype) for n, a in x.items()}
     idx = dict(cu_seqlens=jnp.asarray(cu), initial_state=jnp.asarray(init), start_pos=jnp.asarray(start),
                snapshot_seq=jnp.asarray(snap_seq), snapshot_len=jnp.asarray(snap_len))
-    kernel = jax.jit(lambda x, idx: gdn_chunk_fused(**x, **idx, interpret=interpret))
+    kernel = jax.jit(lambda x, idx: fused(**x, **idx, interpret=interpret))
     t0 = time.perf_counter()
     o, fin, snaps = jax.block_until_ready(kernel(xd, idx))
     first_call_s = time.perf_counter() - t0
@@ -397,13 +411,13 @@ def check_gdn_fused(ragged, gate, seed, interpret=False):
                          and np.array_equal(np.asarray(fin2), np.asarray(fin))
                          and np.array_equal(np.asarray(snaps2), np.asarray(snaps)))
     o, fin, snaps = np.asarray(o.astype(jnp.float32)), np.asarray(fin), np.asarray(snaps)
-    o_j, fin_j, snaps_j = jax.jit(lambda x, idx: gdn_chunked(**x, **idx))(xd, idx)
+    o_j, fin_j, snaps_j = jax.jit(lambda x, idx: chunked(**x, **idx))(xd, idx)
     o_j, fin_j, snaps_j = np.asarray(o_j.astype(jnp.float32)), np.asarray(fin_j), np.asarray(snaps_j)
     Hv = x["v"].shape[1]
     heads = np.sort(rng.choice(Hv, min(CH_ORACLE_HEADS, Hv), replace=False))
     o64, fin64, snaps64 = chunked_oracle64(x, cu, init, snap_seq, snap_len, heads)
     n_real = int(cu[-1])
-    res = dict(kernel="gdn_chunk_fused", variant="gdn_fused_bf16mm", B=len(cu) - 1, dtype="bfloat16", seed=seed,
+    res = dict(kernel=f"{kind}_chunk_fused", variant=f"{kind}_fused_bf16mm", B=len(cu) - 1, dtype="bfloat16", seed=seed,
                tokens=n_real, T=T, ragged=ragged, max_gate=gate, snapshots=len(snap_seq),
                oracle_heads=heads.tolist(),
                o_rel_err=rel(o[:n_real, heads], o64[:n_real]),
@@ -417,15 +431,15 @@ def check_gdn_fused(ragged, gate, seed, interpret=False):
     return with_verdict(res, CH_O_TOL[jnp.bfloat16], CH_STATE_TOL[jnp.bfloat16])
 
 
-def gdn_fused_checks(interpret=False):
-    """Every FUSED_CASES case, one record each; a case that raises is recorded as an error."""
-    cases = FUSED_CASES[:1] if interpret else FUSED_CASES
-    for seed, (ragged, gate) in enumerate(cases, 251):
+def fused_checks(kind, interpret=False):
+    """Every ``FUSED_CASES[kind]`` case, one record each; a case that raises is recorded as an error."""
+    cases = FUSED_CASES[kind][:1] if interpret else FUSED_CASES[kind]
+    for seed, (ragged, gate) in enumerate(cases, FUSED_SEEDS[kind]):
         try:
-            r = check_gdn_fused(ragged, gate, seed, interpret)
+            r = check_fused(kind, ragged, gate, seed, interpret)
         except Exception as e:  # keep going: one broken case must not hide the others
-            r = dict(kernel="gdn_chunk_fused", variant="gdn_fused_bf16mm", B=-1, dtype="bfloat16", ok=False,
-                     ragged=ragged, max_gate=gate, error=f"{type(e).__name__}: {str(e)[:2000]}")
+            r = dict(kernel=f"{kind}_chunk_fused", variant=f"{kind}_fused_bf16mm", B=-1, dtype="bfloat16",
+                     ok=False, ragged=ragged, max_gate=gate, error=f"{type(e).__name__}: {str(e)[:2000]}")
         yield r
 
 
@@ -650,7 +664,8 @@ def main():
     ap.add_argument("--interpret", action="store_true", help="CPU smoke run of this script (slow: use --batches 1)")
     ap.add_argument("--suites", default="decode,paged_attention,chunked,conv1d,moe",
                     help="decode (GDN/KDA), paged_attention, chunked (GDN/KDA prefill), conv1d (short conv), "
-                         "moe (MoE routed experts), gdn_fused (GDN prefill as one kernel; not in the default)")
+                         "moe (MoE routed experts), gdn_fused / kda_fused (GDN / KDA prefill as one kernel; "
+                         "not in the default)")
     args = ap.parse_args()
     suites = args.suites.split(",")
     print(jax.devices())
@@ -681,7 +696,8 @@ def main():
         log.write(json.dumps(r) + "\n")
         log.flush()
     for r in itertools.chain(chunked_checks(args.interpret) if "chunked" in suites else (),
-                             gdn_fused_checks(args.interpret) if "gdn_fused" in suites else (),
+                             fused_checks("gdn", args.interpret) if "gdn_fused" in suites else (),
+                             fused_checks("kda", args.interpret) if "kda_fused" in suites else (),
                              conv1d_checks(args.interpret) if "conv1d" in suites else (),
                              moe_checks(args.interpret) if "moe" in suites else ()):
         results.append(r)

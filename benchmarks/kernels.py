@@ -5,8 +5,8 @@ vs the roofline, one JSON record per case.
     python benchmarks/kernels.py --table benchmarks/results/kernels-h200.json   # RESULTS.md table
 
 Kernel families register a ``Suite`` in ``SUITES`` (cases, a JAX runner, a peer runner): GDN/KDA
-decode, paged attention, chunked prefill (``chunked``; ``gdn_fused``: GDN prefill as one kernel,
-timed beside the split kernel), the causal conv1d and the MoE routed experts (``moe``: ours vs
+decode, paged attention, chunked prefill (``chunked``; ``gdn_fused`` / ``kda_fused``: GDN / KDA
+prefill as one kernel, timed beside the split kernel), the causal conv1d and the MoE routed experts (``moe``: ours vs
 ``lax.ragged_dot`` vs the gather path; no peer).
 
 Method (the device tool's METHOD.md): inputs are random (never zeros), states live in a pool of
@@ -75,7 +75,7 @@ def case_key(case):
         return paged_case_key(m)
     if m.get("suite") == "chunked":
         return chunked_case_key(m)
-    if m.get("suite") == "gdn_fused":
+    if m.get("suite") in ("gdn_fused", "kda_fused"):
         return fused_case_key(m)
     if m.get("suite") == "conv1d":
         return conv1d_case_key(m)
@@ -364,7 +364,7 @@ def fla_worker(cases_json):
     cases = json.loads(cases_json)
     for case in cases:
         try:
-            run = {"chunked": run_chunked_fla, "gdn_fused": run_chunked_fla,
+            run = {"chunked": run_chunked_fla, "gdn_fused": run_chunked_fla, "kda_fused": run_chunked_fla,
                    "conv1d": run_conv1d_fla}.get(case.get("suite"), run_decode_fla)
             res = run(case)
         except Exception as e:  # noqa: BLE001  (a CUDA fault usually kills the process instead)
@@ -922,21 +922,33 @@ def run_chunked_fla(case):
     return res
 
 
-# GDN chunked prefill as one kernel (pallas_kernels/gdn_chunk_fused.py, the UT transform on chip):
-# the chunked suite's GDN cases (same layouts, inputs, bytes and FLOP count, so its rows sit beside
-# gdn_chunked_prefill's), bf16 operands, its own kernel name so neither suite's rows replace the
-# other's. ``baseline_chunked_bf16mm`` is gdn_chunked_pallas (XLA UT transform + the recurrence
-# kernel) timed in the same run, recorded in the detail but never taken as ours; no jnp reference
-# (the chunked suite times it). Peer: fla chunk_gated_delta_rule (run_chunked_fla).
-CHECKED_AS["fused_bf16mm"] = "gdn_fused_bf16mm"
+# GDN / KDA chunked prefill as one kernel (pallas_kernels/gdn_chunk_fused.py, kda_chunk_fused.py, the
+# UT transform on chip): the chunked suite's GDN / KDA cases (same layouts, inputs, bytes and FLOP
+# count, so its rows sit beside gdn_ / kda_chunked_prefill's), bf16 operands, its own kernel name so
+# neither suite's rows replace the other's. ``baseline_chunked_bf16mm`` is gdn_chunked_pallas (XLA UT
+# transform + the recurrence kernel) timed in the same run, recorded in the detail but never taken as
+# ours; no jnp reference (the chunked suite times it). Peer: fla chunk_gated_delta_rule / chunk_kda
+# (run_chunked_fla). FUSED_VARIANTS: kind -> the timed variant's name, gated by gpu_check's rows.
+FUSED_VARIANTS = {"gdn": "fused_bf16mm", "kda": "kda_fused_bf16mm"}
+CHECKED_AS.update(fused_bf16mm="gdn_fused_bf16mm", kda_fused_bf16mm="kda_fused_bf16mm")
 
 
-def fused_cases(quick=False):
-    return [dict(c, suite="gdn_fused") for c in chunked_cases(quick) if c["kind"] == "gdn"]
+def fused_cases(kind):
+    """The ``{kind}_fused`` suite's cases (``Suite.cases`` takes ``quick``)."""
+    return lambda quick=False: [dict(c, suite=f"{kind}_fused") for c in chunked_cases(quick) if c["kind"] == kind]
 
 
 def fused_case_key(m):
-    return "gdn_chunked_prefill_fused", chunked_case_key(m)[1]
+    return f"{m['kind']}_chunked_prefill_fused", chunked_case_key(m)[1]
+
+
+def fused_kernel(kind):
+    """The one-kernel prefill of ``kind``."""
+    if kind == "kda":
+        from pallas_kernels.kda_chunk_fused import kda_chunk_fused
+        return kda_chunk_fused
+    from pallas_kernels.gdn_chunk_fused import gdn_chunk_fused
+    return gdn_chunk_fused
 
 
 def run_fused_jax(case, allowed=None):
@@ -946,9 +958,9 @@ def run_fused_jax(case, allowed=None):
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels.gdn_chunk_fused import gdn_chunk_fused
     from pallas_kernels.gdn_chunked import gdn_chunked_pallas
 
+    fused, variant = fused_kernel(case["kind"]), FUSED_VARIANTS[case["kind"]]
     lens, start, snap = chunked_layout(case)
     steps = 1 if os.environ.get("KERNELS_SMOKE") or case["tokens"] > 16384 else 4
     x = chunked_inputs_np(case)
@@ -959,10 +971,10 @@ def run_fused_jax(case, allowed=None):
                snapshot_len=jnp.asarray(snap))
     interpret = bool(os.environ.get("KERNELS_SMOKE"))
     fns, out = {}, {}
-    if allowed is not None and "fused_bf16mm" not in allowed:
-        out["ours_fused_bf16mm"] = dict(error="not run: failed or missing in gpu_check")
+    if allowed is not None and variant not in allowed:
+        out[f"ours_{variant}"] = dict(error="not run: failed or missing in gpu_check")
     else:
-        fns["ours_fused_bf16mm"] = lambda x, s: gdn_chunk_fused(**x, **idx, initial_state=s, interpret=interpret)
+        fns[f"ours_{variant}"] = lambda x, s: fused(**x, **idx, initial_state=s, interpret=interpret)
     fns["baseline_chunked_bf16mm"] = lambda x, s: gdn_chunked_pallas(
         **x, **idx, initial_state=s, matmul_dtype="bfloat16", interpret=interpret)
 
@@ -1300,7 +1312,8 @@ SUITES = {"decode": Suite(decode_cases, run_decode_jax, decode_state_bytes),
           "paged_attention": Suite(paged_cases, run_paged_jax, paged_bytes, has_peer=False, in_process_peer=True,
                                    flops=paged_flops),
           "chunked": Suite(chunked_cases, run_chunked_jax, chunked_bytes),
-          "gdn_fused": Suite(fused_cases, run_fused_jax, chunked_bytes),
+          "gdn_fused": Suite(fused_cases("gdn"), run_fused_jax, chunked_bytes),
+          "kda_fused": Suite(fused_cases("kda"), run_fused_jax, chunked_bytes),
           "conv1d": Suite(conv1d_cases, run_conv1d_jax, conv1d_bytes),
           "moe": Suite(moe_cases, run_moe_jax, moe_bytes, has_peer=False, flops=moe_flops)}
 

@@ -147,6 +147,57 @@ def _unit_lower_inverse(A, At, row, col, d_smem, dt_smem, x_smem, p_smem):
     return D
 
 
+def load_initial_state(src, bar):
+    """``Sᵀ`` (fp32, ``src`` a ``[64, dk]`` GMEM view) into WGMMA-layout registers through a scoped
+    SMEM buffer, waiting on ``bar``."""
+    def load(st_smem):
+        plgpu.copy_gmem_to_smem(src, st_smem, bar)
+        plgpu.barrier_wait(bar)
+        return plgpu.load(st_smem, layout=plgpu.Layout.WGMMA)
+
+    return pl.run_scoped(load, plgpu.SMEM(src.shape, jnp.float32, transforms=_transforms(jnp.float32)))
+
+
+def write_chunk_outputs(o, s_new, out_row, o_dst, st_ref, h, cols):
+    """A chunk's ``oᵀ`` to ``o_dst`` and, when its end is a requested state (``out_row`` below the
+    rows of the compact ``st_ref [R, Hv, dv, dk]``), ``Sᵀ`` to that row, staged through one scoped
+    fp32 SMEM region. The copies are left in flight: the next chunk waits for their reads
+    (``wait_smem_to_gmem``) before it reuses the scoped region."""
+    num_rows = st_ref.shape[0]
+    f32 = jnp.float32
+
+    def write(o_smem, st_smem):
+        o_smem[...] = o
+
+        @pl.when(out_row < num_rows)
+        def _():
+            st_smem[...] = s_new
+
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_dst)
+
+        @pl.when(out_row < num_rows)
+        def _():
+            plgpu.copy_smem_to_gmem(st_smem, st_ref.at[out_row, h, cols])
+
+    pl.run_scoped(write, plgpu.SMEM(o.shape, f32, transforms=_transforms(f32)),
+                  plgpu.SMEM(s_new.shape, f32, transforms=_transforms(f32)))
+
+
+def gather_states(ot, states_t, layout, req_seq, row, initial_state, cu_seqlens, snapshot_seq, snapshot_len,
+                  start_pos):
+    """The kernel's ``oᵀ`` grid and compact transposed states -> ``(o [T, Hv, dv] fp32, final,
+    snapshots)``: requests without a chunk (length 0) take the initial state, unavailable ones NaN."""
+    num_seqs = cu_seqlens.shape[0] - 1
+    num_rows = req_seq.shape[0]
+    o = _from_grid(jnp.swapaxes(ot, -1, -2), layout)
+    states = jnp.swapaxes(jnp.take(states_t, jnp.minimum(row, num_rows - 1), axis=0), -1, -2)
+    states = jnp.where((row < num_rows)[:, None, None, None], states, initial_state[req_seq])
+    final, snaps = states[:num_seqs], states[num_seqs:]
+    valid = _snapshot_valid(cu_seqlens, snapshot_seq, snapshot_len, start_pos, CHUNK)
+    return o, final, jnp.where(valid[:, None, None, None], snaps, jnp.nan)
+
+
 def _kernel(first_ref, nchunks_ref, slot_ref, init_ref, q_ref, k_ref, v_ref, gb_ref,
             ot_ref, st_ref,
             q_smem, k_smem, v_smem, gb_smem, t_smem, w_smem, qk_smem, s_smem, vn_smem, bars,
@@ -158,7 +209,6 @@ def _kernel(first_ref, nchunks_ref, slot_ref, init_ref, q_ref, k_ref, v_ref, gb_
     hk = h // group
     c0 = first_ref[n]
     nc = nchunks_ref[n]
-    num_rows = st_ref.shape[0]
     cols = pl.ds(j * BLOCK_DV, BLOCK_DV)
     dk = q_smem.shape[-1]
     f32 = jnp.float32
@@ -177,12 +227,7 @@ def _kernel(first_ref, nchunks_ref, slot_ref, init_ref, q_ref, k_ref, v_ref, gb_
     def _():
         issue(c0, 0)
 
-    def load_state(st_smem):
-        plgpu.copy_gmem_to_smem(init_ref.at[n, h, cols], st_smem, bars.at[8])
-        plgpu.barrier_wait(bars.at[8])
-        return plgpu.load(st_smem, layout=tile)
-
-    s0 = pl.run_scoped(load_state, plgpu.SMEM((BLOCK_DV, dk), f32, transforms=_transforms(f32)))
+    s0 = load_initial_state(init_ref.at[n, h, cols], bars.at[8])
 
     def body(i, s):
         c = c0 + i
@@ -247,22 +292,7 @@ def _kernel(first_ref, nchunks_ref, slot_ref, init_ref, q_ref, k_ref, v_ref, gb_
                           ([(vn_smem, k_s)], (BLOCK_DV, dk)))
         s_new = _row(jnp.exp(G_last), (BLOCK_DV, dk)) * s + kv
 
-        def write_out(o_smem, st_smem):
-            o_smem[...] = o
-
-            @pl.when(out_row < num_rows)
-            def _():
-                st_smem[...] = s_new
-
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, ot_ref.at[c, h, cols])
-
-            @pl.when(out_row < num_rows)
-            def _():
-                plgpu.copy_smem_to_gmem(st_smem, st_ref.at[out_row, h, cols])
-
-        pl.run_scoped(write_out, plgpu.SMEM((BLOCK_DV, C), f32, transforms=_transforms(f32)),
-                      plgpu.SMEM((BLOCK_DV, dk), f32, transforms=_transforms(f32)))
+        write_chunk_outputs(o, s_new, out_row, ot_ref.at[c, h, cols], st_ref, h, cols)
         return s_new
 
     lax.fori_loop(0, nc, body, s0)
@@ -348,12 +378,8 @@ def _fused(q, k, v, g, beta, cu_seqlens, initial_state, snapshot_seq, snapshot_l
     ot, states_t = kernel(layout.first_chunk.astype(jnp.int32), layout.num_chunks.astype(jnp.int32),
                           slot_of_chunk, jnp.swapaxes(initial_state, -1, -2),
                           grid(q.astype(mm)), grid(k.astype(mm)), grid(v.astype(mm)), gb)
-    o = _from_grid(jnp.swapaxes(ot, -1, -2), layout)
-    states = jnp.swapaxes(jnp.take(states_t, jnp.minimum(row, num_rows - 1), axis=0), -1, -2)
-    states = jnp.where((row < num_rows)[:, None, None, None], states, initial_state[req_seq])
-    final, snaps = states[:num_seqs], states[num_seqs:]
-    valid = _snapshot_valid(cu_seqlens, snapshot_seq, snapshot_len, start_pos, CHUNK)
-    return o, final, jnp.where(valid[:, None, None, None], snaps, jnp.nan)
+    return gather_states(ot, states_t, layout, req_seq, row, initial_state, cu_seqlens, snapshot_seq,
+                         snapshot_len, start_pos)
 
 
 def gdn_chunk_fused(q, k, v, g, beta, *, cu_seqlens, initial_state=None, scale=None, use_qk_l2norm=True,
