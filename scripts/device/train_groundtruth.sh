@@ -49,7 +49,7 @@ probe() {  # export dir: PROBES per kind on each of PROBE_SEEDS (a process each)
     JAX_DEFAULT_MATMUL_PRECISION=highest timeout -k 10 "$(left)" python3 -c "
 import json, sys, time
 from weights.groundtruth import tasks
-from weights.groundtruth.train import evaluate
+from weights.groundtruth.evaluate import evaluate
 seed = tasks.PROBE_SEED if sys.argv[3] == 'standard' else int(sys.argv[3])
 misses, t0 = [], time.time()
 r = evaluate(sys.argv[1], $probes, mode='pieces', seed=seed, misses=misses, kinds=tuple(sys.argv[2].split()))

@@ -1,11 +1,13 @@
-"""weights.groundtruth: task generators and encoding, the tokenizer, and a smoke training run
-(loss goes down, orbax checkpoint + resume, exact export that weights.load_model loads)."""
+"""weights.groundtruth: task generators and encoding, the tokenizer, the training data, forward,
+config and command line, and smoke training runs (loss goes down, orbax checkpoint + resume, exact
+export that weights.load_model loads)."""
 
 from __future__ import annotations
 
 import json
 import random
 import re
+import shlex
 import shutil
 from functools import partial
 from pathlib import Path
@@ -21,9 +23,9 @@ from jaxserve.models import decoder
 from jaxserve.models.params import build_params, hf_shapes
 from jaxserve.tokenizer import Tokenizer
 from weights import load_model
-from weights.groundtruth import tasks, train
+from weights.groundtruth import architecture, data, evaluate, export, forward, loop, start, tasks, train
 from weights.groundtruth import tokenizer as gt_tokenizer
-
+from weights.groundtruth.config import TrainConfig
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +108,7 @@ def test_shared_prefix_needles_plant_distractors_that_start_like_each_asked_code
             == [tasks.needle(r2, 300, _count(tok), 3, shared_prefix=0.0) for _ in range(5)])
     assert r1.random() == r2.random()
     with pytest.raises(ValueError, match="fraction"):
-        train.train("/nonexistent", 1, smoke=True, needle_shared=-0.1)
+        TrainConfig("/nonexistent", 1, smoke=True, needle_shared=-0.1)
 
 
 def test_echo_restates_context_lines_and_supervises_only_their_codes(tok):
@@ -123,29 +125,10 @@ def test_echo_restates_context_lines_and_supervises_only_their_codes(tok):
         assert ids.tolist() == tok.encode(text)  # segment boundaries are pre-tokeniser boundaries
         assert tok.decode(ids[mask == 1].tolist()) == "".join(c for _, c in restated)
     # a training-only kind: in the bucket cycle only when asked for, never among the probes
-    bks = train.buckets(False, 65536)
-    kinds = lambda ks: {train.bucket_for_step(s, 100, bks, False, 0.0, ks)["kind"] for s in range(40)}  # noqa: E731
+    bks = data.buckets(False, 65536)
+    kinds = lambda ks: {data.bucket_for_step(s, 100, bks, False, 0.0, ks)["kind"] for s in range(40)}  # noqa: E731
     assert kinds(None) == set(tasks.KINDS) and kinds(("needle", "echo")) == {"needle", "echo"}
     assert "echo" not in tasks.KINDS
-
-
-def test_hard_arithmetic_has_long_carry_chains_and_leaves_the_probe_stream_alone():
-    rng = random.Random(5)
-    rows = [tasks.arithmetic(rng, mixed_digits=True, hard=1.0) for _ in range(400)]
-    for user, answer in rows:
-        a, op, b = re.fullmatch(r"What is (\d+) ([+-]) (\d+)\?", user["content"]).groups()
-        a, b = int(a), int(b)
-        assert 0 <= a <= 9999 and 0 <= b <= 9999 and answer["content"] == str(a + b if op == "+" else a - b)
-        if op == "-":
-            assert abs(a - b) <= 1000  # close operands: a short, borrow-heavy difference
-        elif b not in (0, 9999):  # unclipped: the sum lies within 9 of a multiple of 100
-            assert min((a + b) % 100, 100 - (a + b) % 100) <= 9
-    # hard=0 makes no extra draw: the held-out probes' stream is what it always was
-    r1, r2 = random.Random(9), random.Random(9)
-    assert [tasks.arithmetic(r1) for _ in range(50)] == [tasks.arithmetic(r2, hard=0.0) for _ in range(50)]
-    assert r1.random() == r2.random()
-    with pytest.raises(ValueError, match="fraction"):
-        train.train("/nonexistent", 1, smoke=True, arith_hard=1.5)
 
 
 def test_arithmetic_mixes_digit_counts_by_a_fraction_and_keeps_the_end_streams():
@@ -163,25 +146,25 @@ def test_arithmetic_mixes_digit_counts_by_a_fraction_and_keeps_the_end_streams()
     with pytest.raises(ValueError, match="fraction"):
         tasks.arithmetic(random.Random(0), 1.5)
     with pytest.raises(ValueError, match="arith_mixed"):
-        train.train("/nonexistent", 1, smoke=True, arith_mixed=-0.1)
+        TrainConfig("/nonexistent", 1, smoke=True, arith_mixed=-0.1)
 
 
 def test_a_custom_cycle_weights_buckets_and_bad_ones_are_refused():
-    bks = train.buckets(False, 65536)
+    bks = data.buckets(False, 65536)
     cycle = (0, 0, 2, 4)  # arithmetic on every other step
-    picked = [train.bucket_for_step(s, 100, bks, False, 0.0, None, cycle) for s in range(40)]
+    picked = [data.bucket_for_step(s, 100, bks, False, 0.0, None, cycle) for s in range(40)]
     assert [b["kind"] for b in picked[:4]] == ["arithmetic", "arithmetic", "needle", "needle"]
     assert sum(b["kind"] == "arithmetic" for b in picked) == 20 and {b["T"] for b in picked} == {64, 1024, 4224}
     # before the curriculum ends the long-needle bucket (phase 1) is left out
-    assert {b["T"] for b in (train.bucket_for_step(s, 100, bks, False, 0.5, None, cycle) for s in range(20))} == {64, 1024}
+    assert {b["T"] for b in (data.bucket_for_step(s, 100, bks, False, 0.5, None, cycle) for s in range(20))} == {64, 1024}
     # the longest needle bucket (past the probes' 4k-token contexts) only joins through a cycle
     assert bks[8]["kind"] == "needle" and bks[8]["T"] == 5248 and bks[8]["needle"][1] > 4000
-    assert all(b["T"] <= 4224 for b in (train.bucket_for_step(s, 100, bks, False, 0.0) for s in range(40)))
-    assert train.bucket_for_step(1, 100, bks, False, 0.0, None, (0, 8))["T"] == 5248
+    assert all(b["T"] <= 4224 for b in (data.bucket_for_step(s, 100, bks, False, 0.0) for s in range(40)))
+    assert data.bucket_for_step(1, 100, bks, False, 0.0, None, (0, 8))["T"] == 5248
     with pytest.raises(ValueError, match="no bucket"):
-        train.check_cycle((0, len(bks)), bks, None)
+        data.check_cycle((0, len(bks)), bks, None)
     with pytest.raises(ValueError, match="none of its buckets"):
-        train.check_cycle((6, 7), bks, ("arithmetic",))
+        data.check_cycle((6, 7), bks, ("arithmetic",))
 
 
 def test_training_arithmetic_mixes_digit_counts_probes_stay_uniform():
@@ -225,13 +208,46 @@ def test_deterministic_per_seed_and_probes_held_out(tok):
     assert not train_q & {p.messages[0]["content"] for p in p1 if p.kind == "arithmetic"}
 
 
+# sha256 (first 16 hex digits) of each step's tokens + mask, steps 0-4 of seed 3 (smoke buckets of 2048 /
+# 1024 tokens, 40 planned steps): what the trainer has always fed. A change to the task generators,
+# the tokenizer's corpus or the bucket cycle moves them; update them only for a change meant to
+# alter the training data (resumed and continued runs rely on the stream).
+PINNED_SMOKE_BATCHES = {
+    "default": [("arithmetic", 64, 32, "d7f3b643b672d742"), ("recall", 256, 8, "1f9baba349f7c85f"),
+                ("arithmetic", 64, 32, "61f11635f5307ab3"), ("needle", 128, 16, "ff3e566886149733"),
+                ("arithmetic", 64, 32, "9b45152b5a18a7c9")],
+    "knobs": [("arithmetic", 64, 16, "0729657bfe6a5230"), ("recall", 256, 4, "b514fe605cf95af9"),
+              ("arithmetic", 64, 16, "4bbb98418cdad256"), ("needle", 128, 8, "588825bf4d2e345c"),
+              ("echo", 128, 8, "aa845efe5efa73af")],
+}
+
+
+def test_the_data_of_a_seed_is_pinned(tok):
+    """Same seed, same data: the smoke stream's first batches, with the default data settings and
+    with every data knob moved (echo, operands 1/4 by digit count, all needles with distractors)."""
+    import hashlib
+
+    settings = {"default": dict(batch_tokens=2048, kinds=None),
+                "knobs": dict(batch_tokens=1024, kinds=tasks.TRAIN_KINDS, arith_mixed=0.25, needle_shared=0.5)}
+    for name, kw in settings.items():
+        bks = data.buckets(True, kw.pop("batch_tokens"))
+        fn = partial(data.batch_for_step, tokenizer_dir=tok.source, steps=40, bks=bks, smoke=True, curriculum=0.25,
+                     seed=3, **kw)
+        got = []
+        for step in range(5):
+            bucket, (toks, mask) = fn(step)
+            digest = hashlib.sha256(np.ascontiguousarray(toks).tobytes() + np.ascontiguousarray(mask).tobytes())
+            got.append((bucket["kind"], bucket["T"], bucket["B"], digest.hexdigest()[:16]))
+        assert got == PINNED_SMOKE_BATCHES[name], name
+
+
 def test_batches_from_worker_processes_equal_in_thread_batches(tmp_path):
     """--data-workers builds the very batches the background thread builds, in step order."""
     tok_dir = str(gt_tokenizer.save(tmp_path / "tok"))
-    fn = partial(train.batch_for_step, tokenizer_dir=tok_dir, steps=8, bks=train.buckets(True, 2048), smoke=True,
+    fn = partial(data.batch_for_step, tokenizer_dir=tok_dir, steps=8, bks=data.buckets(True, 2048), smoke=True,
                  curriculum=0.25, kinds=None, seed=3)
-    thread = train.Prefetcher(fn, range(2, 8), depth=2)
-    procs = train.Prefetcher(fn, range(2, 8), depth=3, workers=2)
+    thread = data.Prefetcher(fn, range(2, 8), depth=2)
+    procs = data.Prefetcher(fn, range(2, 8), depth=3, workers=2)
     for _ in range(2, 8):
         (s1, (b1, (t1, m1))), (s2, (b2, (t2, m2))) = thread.get(), procs.get()
         assert s1 == s2 and b1 == b2
@@ -320,40 +336,40 @@ def _extended_shipped_vocab() -> int:
 def test_full_size_models_fit_budget(moe, tok):
     """Fresh (this tokenizer) or continued from the shipped export with its vocab extended."""
     for vocab in (tok.vocab_size, _extended_shipped_vocab()):
-        cfg = ModelConfig.from_hf(train.model_config(vocab, moe_variant=moe, smoke=False))
+        cfg = ModelConfig.from_hf(architecture.model_config(vocab, moe_variant=moe, smoke=False))
         n = sum(int(np.prod(s)) for s in hf_shapes(cfg).values())
-        assert 2 * n <= train.MAX_EXPORT_BYTES, (vocab, n)
+        assert 2 * n <= export.MAX_EXPORT_BYTES, (vocab, n)
     assert cfg.layer_types.count("linear_attention") == 3 * cfg.layer_types.count("full_attention")
 
 
 def test_config_overrides_land_in_the_config_and_bad_keys_raise():
     """``train(config_overrides=...)`` / ``--config KEY=VALUE``: HF keys replace values,
     ``partial_rotary_factor`` goes into rope_parameters, ``attention_every`` rebuilds layer_types."""
-    over = train.parse_config_overrides(["partial_rotary_factor=1.0", "attention_every=2", "hidden_size=64",
+    over = architecture.parse_config_overrides(["partial_rotary_factor=1.0", "attention_every=2", "hidden_size=64",
                                          "num_hidden_layers=6"])
     assert over == {"partial_rotary_factor": 1.0, "attention_every": 2, "hidden_size": 64, "num_hidden_layers": 6}
-    raw = train.model_config(300, moe_variant=False, smoke=True, overrides=over)
+    raw = architecture.model_config(300, moe_variant=False, smoke=True, overrides=over)
     assert raw["hidden_size"] == 64 and raw["num_hidden_layers"] == 6
     assert raw["rope_parameters"]["partial_rotary_factor"] == 1.0 and raw["rope_parameters"]["rope_theta"] == 10000.0
     assert raw["layer_types"] == ["linear_attention", "full_attention"] * 3
     cfg = ModelConfig.from_hf(raw)
     assert cfg.rotary_dim == cfg.head_dim
     # the default is untouched, and a changed layer count keeps the 3:1 pattern
-    assert train.model_config(300, moe_variant=False, smoke=True)["rope_parameters"]["partial_rotary_factor"] == 0.25
-    assert train.model_config(300, moe_variant=True, smoke=True, overrides={"num_hidden_layers": 8})["layer_types"] == \
+    assert architecture.model_config(300, moe_variant=False, smoke=True)["rope_parameters"]["partial_rotary_factor"] == 0.25
+    assert architecture.model_config(300, moe_variant=True, smoke=True, overrides={"num_hidden_layers": 8})["layer_types"] == \
         ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"]
     for bad in ({"hiden_size": 64}, {"num_experts": 4}, {"partial_rotary_factor": 0}, {"attention_every": 0}):
         with pytest.raises(ValueError):
-            train.model_config(300, moe_variant=False, smoke=True, overrides=bad)
+            architecture.model_config(300, moe_variant=False, smoke=True, overrides=bad)
     with pytest.raises(ValueError, match="unknown config override"):
         train.main(["--out", "/nonexistent/never-written", "--smoke", "--config", "no_such_key=1"])
     with pytest.raises(ValueError, match="KEY=VALUE"):
-        train.parse_config_overrides(["partial_rotary_factor"])
+        architecture.parse_config_overrides(["partial_rotary_factor"])
 
 
 def _two_layer_config(moe: bool, vocab: int = 300, **overrides) -> dict:
     """The smoke HF config cut to one GDN + one full-attention layer (compiles in half the time)."""
-    raw = train.model_config(vocab, moe_variant=moe, smoke=True)
+    raw = architecture.model_config(vocab, moe_variant=moe, smoke=True)
     return {**raw, "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"], **overrides}
 
 
@@ -369,19 +385,26 @@ def test_answer_accuracies_count_first_answer_tokens_apart():
     guess[0, [2, 3, 7]] = [3, 4, 8]  # logits at t predict token t + 1
     logits = jax.nn.one_hot(jnp.asarray(np.maximum(guess, 0)), 10) * (jnp.asarray(guess) >= 0)[..., None]
     logits = logits + jax.nn.one_hot(jnp.full((1, 9), 9), 10) * 0.5 * (jnp.asarray(guess) < 0)[..., None]
-    acc, first = train.answer_accuracies(logits, tokens, mask)
+    acc, first = forward.answer_accuracies(logits, tokens, mask)
     assert float(acc) == pytest.approx(3 / 5) and float(first) == 0.0  # firsts are tokens 2 and 7: both wrong
 
 
-@pytest.mark.parametrize("attention", sorted(set(train.TRAIN_ATTENTION) - set(train.GPU_ONLY_ATTENTION)))
+# The full-attention backends that run on the CPU: "dense", and the wrapper of the GPU-only "cudnn"
+# backend (``forward.sdpa_causal_attention``) with XLA's implementation in cuDNN's place.
+CPU_ATTENTION = {"dense": "dense", "sdpa": partial(forward.sdpa_causal_attention, implementation="xla")}
+
+
+@pytest.mark.parametrize("attention", sorted(CPU_ATTENTION))
 def test_train_logits_match_decoder_forward(attention):
     """The training forward (each full-attention backend, training delta rule) against the serving
     stack. (Dense MLP only: the MoE block is the same ``layers.moe`` call in both, and compiling it
     again would cost the CI budget.)"""
+    assert set(forward.TRAIN_ATTENTION) - set(forward.GPU_ONLY_ATTENTION) == {"dense"}
     cfg = _two_layer(False)
-    params = build_params(cfg, train.init_tensors(cfg, 1, init_std=0.1), jnp.asarray)
+    params = build_params(cfg, start.init_tensors(cfg, 1, init_std=0.1), jnp.asarray)
     tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 150), 0, 300)
-    ours = jax.jit(train.train_logits, static_argnums=(1, 3, 4, 5))(params, cfg, tokens, False, "highest", attention)
+    ours = jax.jit(forward.train_logits, static_argnums=(1, 3, 4, 5))(params, cfg, tokens, False, "highest",
+                                                                       CPU_ATTENTION[attention])
     state = decoder.init_state(cfg, 2, 192, jnp.float32)
     ref, _ = decoder.forward(params, cfg, tokens, jnp.broadcast_to(jnp.arange(150), (2, 150)), state)
     np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=2e-4, atol=2e-4)
@@ -396,26 +419,27 @@ def test_delta_precision_only_changes_the_products_precision(tmp_path):
     g = -jax.random.uniform(next(key), (T, H)) * 0.1
     beta = jax.random.uniform(next(key), (T, H))
     outs, texts = {}, {}
-    for prec in train.MATMUL_PRECISIONS:
-        f = jax.jit(lambda *a, prec=prec: train._delta_rule_train(*a, precision=prec))
+    for prec in forward.MATMUL_PRECISIONS:
+        f = jax.jit(lambda *a, prec=prec: forward.delta_rule(*a, precision=prec))
         texts[prec] = f.lower(q, k, v, g, beta).as_text()
         outs[prec] = f(q, k, v, g, beta)
     assert "HIGHEST" in texts["highest"] and "HIGHEST" not in texts["default"]
     np.testing.assert_allclose(np.asarray(outs["default"]), np.asarray(outs["highest"]), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="delta_precision"):
-        train.train(tmp_path / "x", 1, smoke=True, delta_precision="fast")
-    with pytest.raises(ValueError, match="attention"):
-        train.train(tmp_path / "x", 1, smoke=True, attention="flash")
+        TrainConfig(tmp_path / "x", 1, smoke=True, delta_precision="fast")
+    with pytest.raises(ValueError, match="train_attention"):
+        TrainConfig(tmp_path / "x", 1, smoke=True, train_attention="flash")
     if jax.default_backend() != "gpu":  # cuDNN's flash attention: refused before any work, not failed mid-run
         with pytest.raises(ValueError, match="GPU in bf16 only"):
-            train.train(tmp_path / "x", 1, smoke=True, attention="cudnn")
+            train.train(tmp_path / "x", 1, smoke=True, train_attention="cudnn")
+        assert not (tmp_path / "x").exists()
 
 
 def test_moe_export_round_trips(tmp_path, tok):
-    config = train.model_config(tok.vocab_size, moe_variant=True, smoke=True)
+    config = architecture.model_config(tok.vocab_size, moe_variant=True, smoke=True)
     cfg = ModelConfig.from_hf(config)
-    params = build_params(cfg, train.init_tensors(cfg, 2), jnp.asarray)
-    out = train.export(params, config, tmp_path / "moe", Path(tok.source))
+    params = build_params(cfg, start.init_tensors(cfg, 2), jnp.asarray)
+    out = export.export(params, config, tmp_path / "moe", Path(tok.source))
     from safetensors import safe_open
 
     with safe_open(str(out / "model.safetensors"), "np") as f:
@@ -456,6 +480,57 @@ def test_smoke_training_lowers_loss_and_resumes_exactly(smoke_runs):
     assert full["profile"]["arithmetic[16x64]"]["tokens"] == 1024 and resumed["profile"] is None
 
 
+def test_a_tiny_config_trains_a_few_steps_and_exports_a_checkpoint_the_loader_reads(tmp_path):
+    """``TrainConfig`` -> ``loop.run``: every step's loss finite and below the last, and the export
+    is what ``weights.load_model`` loads (the trained params, rounded to bf16)."""
+    lines: list[str] = []
+    config = TrainConfig(tmp_path / "run", 4, smoke=True, kinds=("arithmetic",), batch_tokens=1024, warmup=1,
+                         log_every=1, ckpt_every=4)
+    summary = loop.run(config, log=lines.append)
+    losses = [float(line.split(" loss ")[1].split()[0]) for line in lines if line.startswith("step ")]
+    assert len(losses) == 4 and all(np.isfinite(losses)), lines
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    loaded = load_model(summary["export"], dtype="float32", progress=False)
+    rounded = jax.tree.map(lambda x: np.asarray(x).astype(ml_dtypes.bfloat16).astype(np.float32), summary["final_params"])
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, loaded.params), rounded)
+    assert summary["steps"] == 4 and summary["safetensors_bytes"] == (tmp_path / "run/export/model.safetensors").stat().st_size
+
+
+def _documented_train_commands() -> list[list[str]]:
+    """The trainer arguments of every retraining command in weights/README.md: direct
+    ``python -m weights.groundtruth.train`` lines, and runs of scripts/device/train_groundtruth.sh
+    (its own flags + TRAIN_ARGS + each 'NAME=args' spec)."""
+    root = Path(__file__).parents[2]
+    script = (root / "scripts/device/train_groundtruth.sh").read_text()
+    fixed = shlex.split(re.search(r"weights\.groundtruth\.train (--out .*?) \$\{TRAIN_ARGS", script, re.S)[1]
+                        .replace("\\\n", " "))
+    readme = (root / "weights/README.md").read_text().replace("\\\n", " ")
+    commands = []
+    for line in readme.splitlines():
+        if line.startswith(".venv/bin/python -m weights.groundtruth.train "):
+            commands.append(shlex.split(line)[3:])
+        elif "train_groundtruth.sh" in line and "TRAIN_ARGS=" in line:
+            words = shlex.split(line)
+            at = words.index("scripts/device/train_groundtruth.sh")
+            train_s = words[at + 1]
+            common = shlex.split(next(w for w in words if w.startswith("TRAIN_ARGS="))[len("TRAIN_ARGS="):])
+            for spec in words[at + 3:]:  # after TRAIN_S CALL_LIMIT_S
+                name, args = spec.split("=", 1)
+                own = [a.replace("$name", name).replace("$train_s", train_s) for a in fixed]
+                commands.append(own + common + shlex.split(args))
+    return commands
+
+
+def test_the_documented_retraining_commands_make_valid_configs():
+    """Every command weights/README.md gives for retraining parses into a TrainConfig (a renamed or
+    retired flag fails here, not on a device)."""
+    commands = _documented_train_commands()
+    assert len(commands) == 4, commands  # smoke, dense, moe, and the device script's anneal
+    configs = [train.parse_args(argv)[0] for argv in commands]
+    assert [c.moe for c in configs] == [False, False, True, False] and configs[3].train_attention == "cudnn"
+    assert configs[3].needle_shared == 1.0 and configs[3].cycle[:3] == (0, 4, 0) and configs[3].time_limit == 545
+
+
 def test_needle_attention_diagnostic_reports_every_attention_head(smoke_runs):
     from weights.groundtruth.needle_attention import needle_attention
 
@@ -473,7 +548,7 @@ def test_evaluate_scores_every_probe_and_lists_each_miss(smoke_runs):
     """A miss list entry per wrong answer, none for right ones: right + misses = probes per kind."""
     full, _, _, _ = smoke_runs
     misses: list = []
-    acc = train.evaluate(full["export"], 2, needle_tokens=(30, 60), mode="pieces", max_tokens=6, misses=misses)
+    acc = evaluate.evaluate(full["export"], 2, needle_tokens=(30, 60), mode="pieces", max_tokens=6, misses=misses)
     for kind, r in acc.items():
         mine = [m for m in misses if m["kind"] == kind]
         assert r["n"] == 2 and r["right"] + len(mine) == 2 and r["accuracy"] == r["right"] / 2
@@ -481,11 +556,11 @@ def test_evaluate_scores_every_probe_and_lists_each_miss(smoke_runs):
     assert misses, "a 16-step smoke model cannot answer every probe"
     # one kind alone: the same probes as in the full draw, so the same score and misses
     needle_misses: list = []
-    only = train.evaluate(full["export"], 2, needle_tokens=(30, 60), mode="pieces", max_tokens=6,
+    only = evaluate.evaluate(full["export"], 2, needle_tokens=(30, 60), mode="pieces", max_tokens=6,
                           misses=needle_misses, kinds=("needle",))
     assert only == {"needle": acc["needle"]} and needle_misses == [m for m in misses if m["kind"] == "needle"]
     with pytest.raises(ValueError, match="no probe kind"):
-        train.evaluate(full["export"], 1, kinds=("echo",))
+        evaluate.evaluate(full["export"], 1, kinds=("echo",))
 
 
 def test_init_from_an_export_starts_where_that_run_ended(smoke_runs, tmp_path):
@@ -519,9 +594,9 @@ def test_dense_export_upcycles_into_the_same_function(tmp_path, tok):
     differs otherwise (hidden_size, the dense MLP's width) or --extend-vocab is refused."""
     dense_config, moe_config = _two_layer_config(False, tok.vocab_size), _two_layer_config(True, tok.vocab_size)
     dense_cfg, moe_cfg = ModelConfig.from_hf(dense_config), ModelConfig.from_hf(moe_config)
-    dense = build_params(dense_cfg, train.init_tensors(dense_cfg, 4, init_std=0.1), jnp.asarray)
-    folder = train.export(dense, dense_config, tmp_path / "dense", Path(tok.source), dtype="float32")
-    tensors = train._export_tensors(folder, moe_cfg, moe_config, seed=5)
+    dense = build_params(dense_cfg, start.init_tensors(dense_cfg, 4, init_std=0.1), jnp.asarray)
+    folder = export.export(dense, dense_config, tmp_path / "dense", Path(tok.source), dtype="float32")
+    tensors = start.export_tensors(folder, moe_cfg, moe_config, seed=5)
     for i in range(len(moe_cfg.layer_types)):
         m = f"model.layers.{i}.mlp"
         assert not tensors[f"{m}.experts.down_proj"].any() and not tensors[f"{m}.shared_expert_gate.weight"].any()
@@ -536,9 +611,9 @@ def test_dense_export_upcycles_into_the_same_function(tmp_path, tok):
     for bad, match in (({"hidden_size": 64}, "config differs"), ({"shared_expert_intermediate_size": 32}, "intermediate_size")):
         config = _two_layer_config(True, tok.vocab_size, **bad)
         with pytest.raises(ValueError, match=match):
-            train._export_tensors(folder, ModelConfig.from_hf(config), config)
+            start.export_tensors(folder, ModelConfig.from_hf(config), config)
     with pytest.raises(ValueError, match="extend-vocab"):
-        train._export_tensors(folder, moe_cfg, moe_config, tok)
+        start.export_tensors(folder, moe_cfg, moe_config, tok)
 
 
 def test_extend_vocab_keeps_every_id_and_adds_one_token_per_name(tmp_path):
@@ -549,10 +624,10 @@ def test_extend_vocab_keeps_every_id_and_adds_one_token_per_name(tmp_path):
     base_dir = tmp_path / "base_tok"
     gt_tokenizer.save(base_dir, tokenizer=gt_tokenizer.build_base())
     old_tok = Tokenizer.from_dir(base_dir)
-    config = train.model_config(old_tok.vocab_size, moe_variant=False, smoke=True)
+    config = architecture.model_config(old_tok.vocab_size, moe_variant=False, smoke=True)
     cfg = ModelConfig.from_hf(config)
-    params = build_params(cfg, train.init_tensors(cfg, 3), lambda x: jnp.asarray(x, jnp.float32))
-    old_export = train.export(params, config, tmp_path / "old", base_dir)
+    params = build_params(cfg, start.init_tensors(cfg, 3), lambda x: jnp.asarray(x, jnp.float32))
+    old_export = export.export(params, config, tmp_path / "old", base_dir)
     run = train.train(tmp_path / "ext", 4, init_from=old_export, extend_vocab=True, stop_at=0, **kw)
     new_tok = Tokenizer.from_dir(tmp_path / "ext" / "export")
     old_embed = np.asarray(load_model(old_export, dtype="float32", progress=False).params["embed"])
@@ -603,11 +678,12 @@ def test_smoke_export_is_exact_and_transformers_shaped(smoke_runs, oracle_dir):
 
 
 def test_greedy_pieces_equals_generate():
-    from jaxserve.generate import SamplingParams, generate
+    from jaxserve.generate import generate
+    from jaxserve.sampling_params import SamplingParams
 
     cfg = _two_layer(False)
-    params = build_params(cfg, train.init_tensors(cfg, 3, init_std=0.3), jnp.asarray)
+    params = build_params(cfg, start.init_tensors(cfg, 3, init_std=0.3), jnp.asarray)
     ids = np.random.default_rng(0).integers(0, 297, 33).tolist()  # prefilled as pieces of 32 and 1
     ref = generate(params, cfg, ids, SamplingParams(max_tokens=8), eos_token_ids=(299,))
-    got = train.greedy_pieces(params, cfg, ids, 8, (299,), 256)
+    got = evaluate.greedy_pieces(params, cfg, ids, 8, (299,), 256)
     assert got == ref.output_ids and len(set(got)) > 1

@@ -17,6 +17,9 @@ from jaxserve.models import decoder
 from jaxserve.models.params import build_params
 from jaxserve.tokenizer import Tokenizer
 from weights.groundtruth import grow, train
+from weights.groundtruth.architecture import model_config
+from weights.groundtruth.export import export
+from weights.groundtruth.start import grown_tensors, init_tensors
 from weights.groundtruth import tokenizer as gt_tokenizer
 
 L, F = "linear_attention", "full_attention"
@@ -28,7 +31,7 @@ def tok(tmp_path_factory) -> Tokenizer:
 
 
 def _config(vocab: int, types: list[str], heads: int = 2, kv: int = 1) -> dict:
-    raw = train.model_config(vocab, moe_variant=False, smoke=True)
+    raw = model_config(vocab, moe_variant=False, smoke=True)
     return {**raw, "num_hidden_layers": len(types), "layer_types": types,
             "num_attention_heads": heads, "num_key_value_heads": kv}
 
@@ -59,9 +62,9 @@ def test_grown_model_computes_the_exports_function(tmp_path, tok):
     export's (as many elements as the parameter count grew)."""
     old_config, new_config = _config(tok.vocab_size, [L, F]), _config(tok.vocab_size, [L, F, F, L, F], 4, 2)
     old_cfg, new_cfg = ModelConfig.from_hf(old_config), ModelConfig.from_hf(new_config)
-    old = build_params(old_cfg, train.init_tensors(old_cfg, 4, init_std=0.1), jnp.asarray)
-    folder = train.export(old, old_config, tmp_path / "old", Path(tok.source), dtype="float32")
-    tensors, new = train._grown_tensors(folder, new_cfg, new_config, seed=5)
+    old = build_params(old_cfg, init_tensors(old_cfg, 4, init_std=0.1), jnp.asarray)
+    folder = export(old, old_config, tmp_path / "old", Path(tok.source), dtype="float32")
+    tensors, new = grown_tensors(folder, new_cfg, new_config, seed=5)
     assert grow.layer_map(old_config["layer_types"], new_config["layer_types"]) == [0, 1, None, None, None]
     for i in (2, 3, 4):
         assert not tensors[f"model.layers.{i}.mlp.down_proj.weight"].any()
@@ -101,10 +104,10 @@ def test_growth_refuses_what_it_cannot_preserve(bad, match):
 def test_train_grow_moves_new_weights_k_times_faster(tmp_path, tok):
     """train(grow=True): the run starts from the grown export (the export's weights where they are
     the export's) and ``grow_lr_scale`` scales the new elements' updates only."""
-    old_config = train.model_config(tok.vocab_size, moe_variant=False, smoke=True)
+    old_config = model_config(tok.vocab_size, moe_variant=False, smoke=True)
     old_cfg = ModelConfig.from_hf(old_config)
-    old = build_params(old_cfg, train.init_tensors(old_cfg, 3), jnp.asarray)
-    folder = train.export(old, old_config, tmp_path / "old", Path(tok.source), dtype="float32")
+    old = build_params(old_cfg, init_tensors(old_cfg, 3), jnp.asarray)
+    folder = export(old, old_config, tmp_path / "old", Path(tok.source), dtype="float32")
     overrides = {"num_hidden_layers": 5, "layer_types": old_config["layer_types"] + [F],
                  "num_attention_heads": 4, "num_key_value_heads": 2}
     kw = dict(smoke=True, kinds=("arithmetic",), batch_tokens=512, log_every=100, warmup=1, lr=1e-3,

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.models.layers import attention_in
-from weights.groundtruth import tasks, train
+from weights.groundtruth import forward, tasks
 
 
 def _recorder(store: list):
@@ -29,8 +29,8 @@ def _recorder(store: list):
     ``[B, heads, T, T]`` to ``store``."""
     def attend(p, cfg, x, positions, B, T):
         q, k, _, _ = attention_in(p, cfg, x, positions)
-        store.append(train.causal_attention_weights(q, k, cfg, B, T).reshape(B, cfg.num_heads, T, T))
-        return train._dense_causal_attention(p, cfg, x, positions, B, T)
+        store.append(forward.causal_attention_weights(q, k, cfg, B, T).reshape(B, cfg.num_heads, T, T))
+        return forward.dense_causal_attention(p, cfg, x, positions, B, T)
     return attend
 
 
@@ -58,7 +58,7 @@ def needle_attention(folder: str, probes: int = 30, seed: int = 11, context=(40,
         which = next(j for j, line in enumerate(lines) if f" {target} " in line)
         name_at = spans[which][0] + 3  # The, code, for, NAME
         store: list = []
-        logits = train.train_logits(model.params, model.config, jnp.asarray([ids]), False, "highest", _recorder(store))
+        logits = forward.train_logits(model.params, model.config, jnp.asarray([ids]), False, "highest", _recorder(store))
         right.append(tok.decode([int(jnp.argmax(logits[0, -1]))]) == msgs[1]["content"][0])
         inv_lines.append(1 / len(spans))
         per_layer = []

@@ -100,37 +100,16 @@ def _operand(rng: random.Random, mixed_digits: bool) -> int:
     return rng.randint(0 if n == 1 else 10 ** (n - 1), 10**n - 1)
 
 
-def _hard_operands(rng: random.Random, op: str) -> tuple[int, int]:
-    """Operands whose answer needs a long carry or borrow chain, the cases the trained models get
-    wrong (30 of an earlier default model's 35 misses in 300 probes were A - B with A and B close,
-    the rest sums across a power of ten). The answer is written most significant digit first, so
-    its first digit depends on every lower digit's carry. ``-``: B within 10^k of A (k 1..3), the
-    difference short and borrow-heavy; ``+``: B about 10^k - (A mod 10^k) (k 2..4), the sum just
-    around a multiple of 10^k. Both operands stay in 0..9999 (the probes' range)."""
-    a = rng.randint(0, 9999)
-    if op == "-":
-        b = a + rng.choice((-1, 1)) * rng.randint(0, 10 ** rng.randint(1, 3))
-    else:
-        k = rng.randint(2, 4)
-        b = 10**k - a % 10**k + rng.randint(-9, 9)
-    return a, min(max(b, 0), 9999)
-
-
-def arithmetic(rng: random.Random, mixed_digits: float = 0.0, hard: float = 0.0) -> list[dict]:
-    """``What is A op B?`` and its answer. Training options (probes use neither, and with both off
-    the random stream is the probes'): ``mixed_digits``, the fraction of problems whose operands are
-    drawn by digit count (``_operand``; True = all, the rest uniform over 0..9999 as the probes
-    draw them; only a fraction strictly between 0 and 1 costs a draw, so 0 and 1 keep their
-    streams), and ``hard``, the fraction of problems drawn by ``_hard_operands`` instead."""
-    if not (0.0 <= mixed_digits <= 1.0 and 0.0 <= hard <= 1.0):
-        raise ValueError(f"mixed_digits={mixed_digits}, hard={hard}: each a fraction in [0, 1]")
-    if hard and rng.random() < hard:
-        op = rng.choice("+-")
-        a, b = _hard_operands(rng, op)
-    else:
-        mixed = mixed_digits >= 1.0 or (mixed_digits > 0.0 and rng.random() < mixed_digits)
-        a, b = _operand(rng, mixed), _operand(rng, mixed)
-        op = rng.choice("+-")
+def arithmetic(rng: random.Random, mixed_digits: float = 0.0) -> list[dict]:
+    """``What is A op B?`` and its answer. Training option (probes leave it at 0, the probes'
+    random stream): ``mixed_digits``, the fraction of problems whose operands are drawn by digit
+    count (``_operand``; True = all, the rest uniform over 0..9999 as the probes draw them; only a
+    fraction strictly between 0 and 1 costs a draw, so 0 and 1 keep their streams)."""
+    if not 0.0 <= mixed_digits <= 1.0:
+        raise ValueError(f"mixed_digits={mixed_digits}: a fraction in [0, 1]")
+    mixed = mixed_digits >= 1.0 or (mixed_digits > 0.0 and rng.random() < mixed_digits)
+    a, b = _operand(rng, mixed), _operand(rng, mixed)
+    op = rng.choice("+-")
     return [{"role": "user", "content": f"What is {a} {op} {b}?"},
             {"role": "assistant", "content": str(a + b if op == "+" else a - b)}]
 
@@ -262,15 +241,14 @@ def recall(rng: random.Random, min_between: int = 1, max_between: int = 4) -> li
 
 def example(kind: str, rng: random.Random, needle_tokens: tuple[int, int] = (1000, 4000),
             count_tokens: Callable[[str], int] | None = None, needle_follow_ups: int = 0,
-            mixed_digits: float = 0.0, arith_hard: float = 0.0, needle_shared: float = 0.0) -> list[dict]:
+            mixed_digits: float = 0.0, needle_shared: float = 0.0) -> list[dict]:
     """One conversation of ``kind``. Training options (probes use none): ``needle_follow_ups``
     adds up to that many more questions about the same needle context, ``needle_shared`` the
     fraction of needle contexts with distractor codes sharing the asked codes' leading digits
-    (``needle``); ``mixed_digits`` draws
-    that fraction of arithmetic operands by digit count, ``arith_hard`` that fraction of problems
-    carry/borrow-heavy (``arithmetic``)."""
+    (``needle``); ``mixed_digits`` draws that fraction of arithmetic operands by digit count
+    (``arithmetic``)."""
     if kind == "arithmetic":
-        return arithmetic(rng, mixed_digits, arith_hard)
+        return arithmetic(rng, mixed_digits)
     if kind == "needle":
         context = rng.randint(*needle_tokens)
         # no draw for probes (follow-ups 0): the held-out stream does not depend on the training option
