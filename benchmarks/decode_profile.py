@@ -35,7 +35,7 @@ def random_ids(rng: random.Random, engine, n: int) -> list[int]:
 def decode_rate(engine, batch: int, prompt_len: int, new: int, seed: int, outputs: dict | None = None) -> dict:
     """Serve ``batch`` random prompts together; tok/s over the steps after every prompt is prefilled.
     ``outputs`` (if given) collects each request's output ids by its index."""
-    from jaxserve.generate import SamplingParams
+    from jaxserve.sampling_params import SamplingParams
 
     rng = random.Random(seed)
     sp = SamplingParams(max_tokens=new, ignore_eos=True)
@@ -65,7 +65,7 @@ def decode_rate(engine, batch: int, prompt_len: int, new: int, seed: int, output
 
 def kernel_breakdown(engine, batch: int, prompt_len: int, seed: int) -> dict | None:
     from jaxserve import profiling
-    from jaxserve.generate import SamplingParams
+    from jaxserve.sampling_params import SamplingParams
 
     rng = random.Random(seed)
     for _ in range(batch):

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 
 from jaxserve.engine.llm import EngineArgs, build_engine  # noqa: E402
-from jaxserve.generate import SamplingParams  # noqa: E402
+from jaxserve.sampling_params import SamplingParams  # noqa: E402
 from weights.random_checkpoint import write_random_checkpoint  # noqa: E402
 
 MID_QWEN3_5 = {

@@ -22,6 +22,11 @@ FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
+# Linear-attention state snapshots sit on multiples of this many tokens (ARCHITECTURE.md invariant 1),
+# and attention visits keys in blocks of the same size; a page size must divide it, so page, key
+# block and snapshot boundaries coincide. Every part that needs the number imports it from here.
+SNAPSHOT_INTERVAL = 64
+
 
 class ConfigError(ValueError):
     """A config.json that jaxserve cannot serve, with the file and key named."""

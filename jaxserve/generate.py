@@ -1,9 +1,10 @@
-"""Offline generation for one prompt: prefill, then one-token decode steps until a stop.
+"""The reference generation path: one prompt, prefill, then one-token decode steps until a stop.
 
-This is the straight-line path the CLI and the differential tests use; the serving engine
-(scheduler + runner) batches many sequences over pooled state and must produce the same tokens.
-Shapes are bucketed so repeated calls reuse compiled steps: the state's length is rounded up to a
-multiple of ``LEN_BUCKET``, and decode always runs [1, 1].
+No scheduler, no pools, no prefix cache: the differential tests compare the serving engine with it
+(they must produce the same tokens) and the ground-truth trainer evaluates with it. Everything that
+serves requests, ``jaxserve generate`` and ``LLM.generate`` included, goes through
+``Engine.generate`` instead. Shapes are bucketed so repeated calls reuse compiled steps: the
+state's length is rounded up to a multiple of ``LEN_BUCKET``, and decode always runs [1, 1].
 """
 
 from __future__ import annotations
@@ -15,33 +16,9 @@ import jax.numpy as jnp
 
 from jaxserve.models import decoder, vision
 from jaxserve.sampler import sample
+from jaxserve.sampling_params import SamplingParams, check_prompt_ids
 
 LEN_BUCKET = 256
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = ()
-    # Scheduling, read only by policies (jaxserve/engine/policy.py): lower priority values go first
-    # under ``--policy priority`` (vLLM's convention); ``tenant`` is whom ``--policy fair`` shares by.
-    priority: int = 0
-    tenant: str = ""
-
-    def __post_init__(self):
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
 
 
 @dataclasses.dataclass
@@ -55,10 +32,7 @@ def generate(params, cfg, prompt_ids: list[int], sampling: SamplingParams, dtype
              eos_token_ids: tuple[int, ...] = (), images=None) -> Generation:
     """``images``: the prompt's preprocessed images (``PixelPatches``, in order) when its
     placeholders are expanded (``jaxserve.multimodal.prompt.expand_placeholders``)."""
-    if not prompt_ids:
-        raise ValueError("prompt is empty")
-    if max(prompt_ids) >= cfg.vocab_size or min(prompt_ids) < 0:
-        raise ValueError(f"prompt token ids must be in [0, {cfg.vocab_size})")
+    check_prompt_ids(prompt_ids, cfg.vocab_size)
     total = len(prompt_ids) + sampling.max_tokens
     if total > cfg.max_position_embeddings:
         raise ValueError(

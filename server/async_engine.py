@@ -28,7 +28,7 @@ import traceback
 from typing import Any, Callable, Sequence
 
 from jaxserve.engine.engine import Engine, RequestOutput
-from jaxserve.generate import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 from server.metrics import Metrics
 
 

@@ -33,7 +33,7 @@ from typing import Any, Protocol, Sequence
 
 from jaxserve.engine.request import Request, Status
 from jaxserve.engine.scheduler import Scheduler, StepPlan
-from jaxserve.generate import SamplingParams
+from jaxserve.sampling_params import SamplingParams, check_prompt_ids
 from jaxserve.sampler import check_representable
 from jaxserve.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -134,11 +134,8 @@ class Engine:
             prompt_ids = self.tokenizer.encode(prompt)
         else:
             prompt_ids = list(map(int, prompt))
-        if not prompt_ids:
-            raise ValueError("prompt is empty")
         vocab = self.vocab_size
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        check_prompt_ids(prompt_ids, vocab)
         check_representable(sampling.temperature, sampling.top_k)
         if any(not 0 <= t < vocab for t in sampling.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
@@ -293,13 +290,22 @@ class Engine:
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-                 stop: Sequence[str] = ()) -> list[RequestOutput]:
-        """Offline batch generation (vLLM's ``LLM.generate``): all prompts are queued at once and
-        run with continuous batching; outputs come back in prompt order."""
-        samplings = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
-        if len(samplings) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(samplings)} sampling params")
-        rids = [self.add_request(p, s, stop) for p, s in zip(prompts, samplings)]
+                 stop: Sequence[str] = (), cache_ids: Sequence[Sequence[int] | None] | None = None,
+                 images: Sequence[Any] | None = None) -> list[RequestOutput]:
+        """Offline batch generation (vLLM's ``LLM.generate``), the one path every offline caller
+        takes (``LLM.generate``, ``jaxserve generate``): all prompts are queued at once and run with
+        continuous batching; outputs come back in prompt order. ``cache_ids[i]`` / ``images[i]``:
+        prompt i's content keys and ``ImagePrompt`` (None for a text prompt), as ``add_request``
+        takes them."""
+        n = len(prompts)
+        samplings = sampling if isinstance(sampling, (list, tuple)) else [sampling] * n
+        per_prompt = {"sampling params": samplings, "cache id lists": cache_ids or [None] * n,
+                      "image prompts": images or [None] * n}
+        for what, values in per_prompt.items():
+            if len(values) != n:
+                raise ValueError(f"{n} prompts but {len(values)} {what}")
+        rids = [self.add_request(p, s, stop, cache_ids=k, images=im)
+                for p, s, k, im in zip(prompts, samplings, per_prompt["cache id lists"], per_prompt["image prompts"])]
         held = {rid: self.requests[rid] for rid in rids}
         self.run_until_done()
         return [self._output(held[rid]) for rid in rids]

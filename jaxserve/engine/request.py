@@ -19,7 +19,7 @@ import dataclasses
 import enum
 import itertools
 
-from jaxserve.generate import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 
 _arrivals = itertools.count()
 

@@ -43,6 +43,7 @@ from typing import Callable
 
 from jaxserve.cache.allocator import PageAllocator, SlotAllocator
 from jaxserve.cache.radix import HybridRadixCache
+from jaxserve.config import SNAPSHOT_INTERVAL
 from jaxserve.engine.policy import FCFS, Policy, SchedulerView
 from jaxserve.engine.request import Request, Status
 
@@ -92,7 +93,7 @@ class Scheduler:
     def __init__(self, *, pages: PageAllocator, slots: SlotAllocator | None, cache: HybridRadixCache,
                  page_size: int, max_prefill_tokens: int, max_running: int, max_pages_per_seq: int,
                  eos_token_ids: tuple[int, ...] = (), policy: Policy | None = None,
-                 barrier: Callable[[], None] = lambda: None, snapshot_interval: int = 64,
+                 barrier: Callable[[], None] = lambda: None, snapshot_interval: int = SNAPSHOT_INTERVAL,
                  clock: Callable[[], float] = time.monotonic):
         self.pages, self.slots, self.cache = pages, slots, cache
         self.hybrid = slots is not None
@@ -117,7 +118,6 @@ class Scheduler:
         # Debug hooks: called with a tree slot right after it is donated / before it is restored.
         self.on_donate: Callable[[int], None] | None = None
         self.on_restore: Callable[[int], None] | None = None
-        self.debug_fault: str | None = None  # TEST ONLY, see _inject_fault
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -288,25 +288,12 @@ class Scheduler:
             req.restore_src = match.snapshot_slot
             if self.on_restore:
                 self.on_restore(match.snapshot_slot)
-            if self.debug_fault:
-                req.restore_src = self._inject_fault(match.snapshot_slot)
         if req.num_preemptions == 0:
             req.cached_tokens = match.length
         self.waiting.remove(req)
         self.running.append(req)
         req.status = Status.RUNNING
         return n
-
-    def _inject_fault(self, src: int) -> int:
-        """TEST ONLY (``jaxserve serve --debug-inject-fault``): serve a corrupted hit on purpose, so
-        the probe harness can prove it catches one. ``stale-snapshot`` skips the restore (the request
-        starts from whatever its own slot last held); ``wrong-snapshot`` restores another tree
-        snapshot pinned by a running request (pinned: it cannot be evicted and rewritten this step)."""
-        if self.debug_fault == "wrong-snapshot":
-            pinned = sorted({r.locked.snapshot for r in self.running if r.locked is not None} - {None, src})
-            if pinned:
-                return pinned[0]
-        return 0
 
     def _alloc_slot(self) -> int | None:
         slot = self.slots.alloc()

@@ -27,7 +27,7 @@ from typing import Any
 
 from jaxserve.bench.metrics import percentile
 from jaxserve.engine.engine import Engine
-from jaxserve.generate import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.sim.cost import CostModel, fit, step_features
 from jaxserve.sim.replay import Replay, drive_trace
 from jaxserve.sim.simulator import SimConfig, simulate
@@ -177,7 +177,7 @@ def main(sub: str, argv: list[str]) -> int:
 
     args = _parser(sub).parse_args(argv)
     # the serving configuration: every program compiled before any measurement, no debug hooks
-    args.command, args.debug_snapshot_checksums, args.debug_inject_fault = "serve", False, None
+    args.command, args.debug_snapshot_checksums = "serve", False
     eargs = _engine_args(args, progress=True)
     records = load_trace(args.trace) if sub == "validate" else None
     engine = build_engine(eargs)

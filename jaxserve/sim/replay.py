@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from jaxserve.generate import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.sim.trace import TraceRecord
 
 

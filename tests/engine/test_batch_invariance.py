@@ -35,7 +35,7 @@ import pytest
 from jaxserve.engine import pools as pool_mod
 from jaxserve.engine import runner
 from jaxserve.engine.llm import EngineArgs, build_engine
-from jaxserve.generate import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.models import decoder
 from weights import load_model
 from weights.random_checkpoint import write_random_checkpoint

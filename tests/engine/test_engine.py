@@ -14,7 +14,8 @@ import random
 import pytest
 
 from jaxserve.engine.llm import LLM
-from jaxserve.generate import SamplingParams, generate
+from jaxserve.generate import generate
+from jaxserve.sampling_params import SamplingParams
 from tests.engine.checks import assert_pools_free_after_flush, drive
 
 FAMILIES = ["qwen3_5-dense", "qwen3_5_moe-moe", "qwen3_next-moe", "qwen3-base", "kimi_linear-moe"]

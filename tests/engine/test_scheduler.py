@@ -21,8 +21,9 @@ from jaxserve.cache.radix import HybridRadixCache
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.policy import make_policy
 from jaxserve.engine.scheduler import Scheduler
-from jaxserve.generate import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 from tests.engine.checks import assert_pools_free_after_flush
+from tests.engine.faults import FAULTS, FaultyScheduler
 from tests.engine.fake_device import FakeExecutor, reference_continuation
 
 VOCAB = 1000
@@ -69,6 +70,25 @@ def test_repeat_hits_and_equals_cold(hybrid, length):
     assert hit.cached_tokens == (length - 1) // unit * unit  # the last token is always recomputed
     assert engine.snapshot_checksum_mismatches == 0
     assert_pools_free_after_flush(engine)
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_injected_fault_corrupts_every_hit(fault):
+    """The fault the probe tests rely on (tests/engine/faults.py) does corrupt hits: cold runs stay
+    right, every hit (one admitted beside another running hit, for ``wrong-snapshot``) goes wrong,
+    and the bookkeeping stays sound."""
+    rng = random.Random(7)
+    engine = make_engine()
+    FaultyScheduler.corrupt(engine.scheduler, fault)
+    prompts = [prompt(rng, 200), prompt(rng, 150)]
+    refs = [reference_continuation(p, 12, VOCAB) for p in prompts]
+    assert [o.output_ids for o in engine.generate(prompts, greedy(12))] == refs
+    hits = engine.generate(prompts, greedy(12))
+    assert [o.cached_tokens for o in hits] == [192, 128]
+    assert all(o.output_ids != ref for o, ref in zip(hits, refs))
+    assert_pools_free_after_flush(engine)
+    with pytest.raises(ValueError, match="fault must be one of"):
+        FaultyScheduler.corrupt(make_engine().scheduler, "bit-flip")
 
 
 def test_multi_turn_follow_up_hits_last_boundary_of_prompt_plus_answer():

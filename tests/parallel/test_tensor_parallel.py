@@ -23,7 +23,8 @@ import pytest
 
 from jaxserve.engine import pools as pool_mod
 from jaxserve.engine import runner, startup
-from jaxserve.generate import SamplingParams, generate
+from jaxserve.generate import generate
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.parallel.tensor import TensorParallel
 from tests.parallel.conftest import DEVICES
 from weights import load_model

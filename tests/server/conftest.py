@@ -11,7 +11,7 @@ import pytest
 
 from jaxserve.cli import DEFAULT_MODEL_DIR
 from jaxserve.engine.llm import EngineArgs, build_engine
-from jaxserve.generate import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 from server.app import create_app
 from server.async_engine import AsyncEngine
 from tests.server.harness import CHAT, CONCURRENT, KEY, MODEL, N, Server

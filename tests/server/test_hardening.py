@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxserve.generate import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 from server.app import create_app
 from server.limits import HTTPLimits
 from server.protocol import INT32_MAX, MAX_STOP
