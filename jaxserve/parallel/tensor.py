@@ -66,9 +66,10 @@ class TensorParallel:
 
     @classmethod
     def make(cls, size: int, expert_parallel: bool = False) -> "TensorParallel":
-        devices = jax.local_devices()
+        devices = jax.devices()  # every process's, after jax.distributed.initialize (parallel/distributed.py)
         if size < 1 or size > len(devices):
-            raise ValueError(f"tensor_parallel_size={size}, but this host has {len(devices)} "
+            where = "this host has" if jax.process_count() == 1 else f"the {jax.process_count()} processes have"
+            raise ValueError(f"tensor_parallel_size={size}, but {where} {len(devices)} "
                              f"{devices[0].platform} device(s)")
         mesh = Mesh(np.array(devices[:size]), (AXIS,), axis_types=(AxisType.Auto,))
         return cls(mesh, expert_parallel)
