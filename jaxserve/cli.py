@@ -32,6 +32,8 @@ import json
 import sys
 from pathlib import Path
 
+from jaxserve.sampling_params import SamplingParams
+
 # The small model the project ships; `jaxserve generate` / `serve` use it when --model is not given.
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "weights" / "default"
 
@@ -78,7 +80,6 @@ def _read_prompts_file(path: str) -> list:
 
 def _generate(args: argparse.Namespace) -> list[dict]:
     from jaxserve.engine.llm import LLM
-    from jaxserve.generate import SamplingParams
 
     if args.prompt_ids is not None:
         prompts = [_parse_ids(args.prompt_ids)]
@@ -154,8 +155,9 @@ def _engine_args(args: argparse.Namespace, progress: bool):
         compile_all=args.command == "serve", compile_workers=args.compile_workers,
         compile_cache=False if args.no_compile_cache else (args.compile_cache or True),
         image_max_pixels=args.image_max_pixels, tensor_parallel_size=args.tensor_parallel_size,
-        expert_parallel=args.expert_parallel, progress=progress, **({"max_model_len": args.max_model_len, "debug_snapshot_checksums": args.debug_snapshot_checksums,
-            "debug_fault": args.debug_inject_fault} if args.command == "serve" else {}))
+        expert_parallel=args.expert_parallel, progress=progress,
+        **({"max_model_len": args.max_model_len, "debug_snapshot_checksums": args.debug_snapshot_checksums}
+           if args.command == "serve" else {}))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -163,7 +165,6 @@ def _serve(args: argparse.Namespace) -> int:
 
     from jaxserve.engine import startup
     from jaxserve.engine.llm import build_engine, image_input
-    from jaxserve.generate import SamplingParams
 
     try:
         from server import http
@@ -207,8 +208,6 @@ def _serve(args: argparse.Namespace) -> int:
         *dataclasses.asdict(limits).items(), ("image_max_pixels", eargs.image_max_pixels or "default"),
         ("allow_image_urls", image_limits.allow_urls), ("max_images_per_request", image_limits.max_images),
         ("image_fetch_timeout", image_limits.fetch_timeout)]))
-    if eargs.debug_fault:
-        log(f"WARNING: --debug-inject-fault {eargs.debug_fault}: cache hits are corrupted on purpose (tests only)")
     t0 = time.perf_counter()
     log(f"loading {eargs.model}, then compiling every step program ...")
     engine = build_engine(eargs)  # compile_all: every program the server can run exists after this
@@ -246,11 +245,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _warm_up_image(engine, images, text_ids: list[int]) -> None:
-    """One small image request through the engine (the vision tower compiles once per power-of-two
-    patch bucket: this compiles the smallest; a larger image's first request compiles its own)."""
+    """One small image request through the engine: it runs a step's image path once (the tower's
+    patch buckets themselves are compiled when the engine's image input is built, ``compile_buckets``)."""
     from PIL import Image
-
-    from jaxserve.generate import SamplingParams
 
     v = images.vision
     ids = [v.vision_start_token_id, v.image_token_id, v.vision_end_token_id] + list(text_ids)
@@ -349,9 +346,6 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--debug-snapshot-checksums", action="store_true",
                     help="checksum every prefix-cache snapshot on donation and before each hit (metric: "
                          "jaxserve_snapshot_checksum_mismatches)")
-    # Test-only: corrupt every prefix-cache hit on purpose, to prove `jaxserve probe` catches it.
-    sv.add_argument("--debug-inject-fault", choices=("stale-snapshot", "wrong-snapshot"), default=None,
-                    help=argparse.SUPPRESS)
     sv.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                     help="uvicorn's log level (default: %(default)s)")
     g = sub.add_parser("generate", help="generate a completion offline for one prompt")
@@ -368,11 +362,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "them (<|vision_start|><|image_pad|><|vision_end|>); --prompt-ids must hold one image token "
                         "per image")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--max-tokens", type=int, default=16)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=0)
+    sampling = SamplingParams()  # the flags' defaults are SamplingParams'
+    g.add_argument("--max-tokens", type=int, default=sampling.max_tokens)
+    g.add_argument("--temperature", type=float, default=sampling.temperature)
+    g.add_argument("--top-p", type=float, default=sampling.top_p)
+    g.add_argument("--top-k", type=int, default=sampling.top_k)
+    g.add_argument("--seed", type=int, default=sampling.seed)
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     pr = sub.add_parser("probe", help="ground-truth probes and a cache hammer against any OpenAI-compatible server; "
@@ -394,6 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--json", action="store_true", help="print the report as one JSON object (no progress)")
     sub.add_parser("sim", add_help=False, help="scheduling research: the real scheduler and prefix cache on a "
                    "virtual clock (`jaxserve sim --help`; sweep, gen, calibrate, validate)")
+    sub.add_parser("serve-replicas", add_help=False, help="data parallelism: N `serve` replicas behind SGLang's "
+                   "router with prefix-cache-aware routing (`jaxserve serve-replicas --help`)")
     b = sub.add_parser("bench", help="serving benchmark (TTFT, TPOT, ITL, latency, throughput, prefix-cache hits) "
                                      "against any OpenAI-compatible server, like `vllm bench serve`")
     b.add_argument("--url", default="http://127.0.0.1:8000",
@@ -455,6 +452,10 @@ def main(argv: list[str] | None = None) -> int:
         from jaxserve.sim.cli import main as sim_main
 
         return sim_main(argv[1:])
+    if argv[:1] == ["serve-replicas"]:  # its own parser; the flags it does not know go to each replica's serve
+        from jaxserve.replicas import main as replicas_main
+
+        return replicas_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         if args.command == "serve":

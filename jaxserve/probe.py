@@ -22,6 +22,12 @@ wrong on a repeat while right cold) measure the model, not corruption. The serve
 ``/metrics`` adds its snapshot checksum mismatches and how many pages / slots requests still hold
 once the run is over (invariant 7: zero).
 
+``--kinds image`` runs the image probe instead (``image_plan``, ``analyze_images``): two fresh
+random images at the same place after the same long text, alternated with repeats, one request at a
+time; it counts **cross-hits** (a first send of a fresh image that hits further than the text before
+it: the cache took another image's tokens) and hit-vs-cold mismatches. It needs a model with a vision
+tower and no trained one: it checks the cache, not the answers.
+
 Exit code: 0 no corruption found, 1 corruption found (a hit-vs-cold or reference mismatch, or a
 non-zero snapshot checksum mismatch count), 2 usage or connection errors.
 """
@@ -291,6 +297,114 @@ def render(report: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# The image probe (``--kinds image``): content-keyed cache keys (ARCHITECTURE.md invariant 5).
+# ---------------------------------------------------------------------------------------------
+
+IMAGE_SIDE = 384  # pixels: >= 128 soft tokens for any Qwen-style processor (32 px a token or less)
+SLACK = 64  # tokens a legitimate first send may hit past the anchor (one snapshot boundary)
+IMAGE_QUESTION = "Describe the image."
+_WORDS = ("the", "red", "house", "stands", "near", "a", "river", "and", "every", "morning", "birds", "sing",
+          "over", "green", "fields", "while", "people", "walk", "to", "work")
+
+
+def probe_png(seed: int, side: int = IMAGE_SIDE) -> bytes:
+    """A ``side`` x ``side`` PNG of random pixels: two seeds, two images no cache key may confuse."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (side, side, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def image_plan(rounds: int, repeats: int, seed: int, prefix_words: int = 300, side: int = IMAGE_SIDE) -> list[Job]:
+    """The image probe's jobs, sent one at a time in this order: a warm-up (the shared text and the
+    question without an image: it caches the text and no image), then per round two fresh images A
+    and B of one size at the same place after that text, sent A, B, A, B, ... ``repeats`` times each.
+    ``key``: 0 the warm-up, 2r + 1 round r's A, 2r + 2 its B; an image's first send is ``cold``."""
+    import base64
+
+    rng = random.Random(seed)
+    prefix = " ".join(rng.choice(_WORDS) for _ in range(prefix_words)) + "\n"
+    question = {"type": "text", "text": IMAGE_QUESTION}
+
+    def messages(key: int) -> tuple:
+        if key == 0:
+            return ({"role": "user", "content": [{"type": "text", "text": prefix}, question]},)
+        url = "data:image/png;base64," + base64.b64encode(probe_png(seed * 1_000_003 + key, side)).decode()
+        return ({"role": "user", "content": [{"type": "text", "text": prefix},
+                                             {"type": "image_url", "image_url": {"url": url}}, question]},)
+
+    order = [(0, "warmup")] + [(2 * r + ab, "cold" if i == 0 else "repeat")
+                               for r in range(rounds) for i in range(repeats) for ab in (1, 2)]
+    return [Job(i, key, "image", messages(key), "", role) for i, (key, role) in enumerate(order)]
+
+
+def analyze_images(results: list[Result]) -> dict[str, Any]:
+    """Cross-hits and hit-vs-cold mismatches of ``image_plan``'s results.
+
+    The anchor: round 0's A, the first image ever sent after the text, can only hit the text the
+    warm-up cached (no image came before it). Every later image is fresh too when first sent, so it
+    may hit that text plus at most the few tokens that open an image (``SLACK`` covers one cache
+    boundary) and nothing of the image itself, which spans more than ``SLACK`` tokens. A **cross-hit**
+    is a first send that hits further: the cache took another image's tokens for its own. A
+    **mismatch**: a later send of an image whose answer (tokens, else text) differs from its first,
+    cold send. The model's accuracy plays no part: no answer is scored. Eviction only shortens hits,
+    so it never makes a cross-hit."""
+    by_key: dict[int, list[Result]] = {}
+    for r in results:
+        by_key.setdefault(r.job.key, []).append(r)
+    counts = dict(requests=len(results), completed=sum(r.completed for r in results),
+                  errors=sum(r.error is not None for r in results), first_sends_compared=0, cross_hits=0,
+                  hits_compared=0, hit_vs_cold_mismatches=0)
+    examples = []
+    firsts = {k: cold_of(rs) for k, rs in by_key.items() if k > 0}
+    anchor = firsts.get(1)
+    anchor_tokens = anchor.cached_tokens if anchor is not None and anchor.job.role == "cold" else None
+    for key in sorted(firsts):
+        first = firsts[key]
+        if first is None:
+            continue
+        for r in by_key[key]:
+            if r is first or not r.completed:
+                continue
+            counts["hits_compared"] += 1
+            if not same_answer(r, first):
+                counts["hit_vs_cold_mismatches"] += 1
+                examples.append({"what": "hit vs cold", "image": key, "request": r.job.idx, "cold": first.text,
+                                 "got": r.text, "cached_tokens": r.cached_tokens})
+        if key == 1 or anchor_tokens is None or first.job.role != "cold" or first.cached_tokens is None:
+            continue
+        counts["first_sends_compared"] += 1
+        if first.cached_tokens > anchor_tokens + SLACK:
+            counts["cross_hits"] += 1
+            examples.append({"what": "cross-hit", "image": key, "request": first.job.idx,
+                             "anchor": anchor_tokens, "cached_tokens": first.cached_tokens})
+    return {**counts, "anchor_cached_tokens": anchor_tokens, "mismatch_examples": examples[:10]}
+
+
+def render_images(report: dict[str, Any]) -> str:
+    """The human report of the image probe."""
+    a = report
+    lines = [f"image probe of {a['url']} (model {a['model']}): {a['requests']} requests in {a['rounds']} rounds of "
+             f"two images, {a['elapsed_s']:.1f}s",
+             f"  completed {a['completed']}, errors {a['errors']}; first sends compared {a['first_sends_compared']} "
+             f"(the text's hit: {a['anchor_cached_tokens']} tokens); cross-hits {a['cross_hits']}; hits compared "
+             f"{a['hits_compared']}, hit != cold {a['hit_vs_cold_mismatches']}"]
+    s = a.get("server")
+    if s:
+        lines.append(f"  server: snapshot checksum mismatches {s.get('snapshot_checksum_mismatches')}")
+    for ex in a["mismatch_examples"][:5]:
+        lines.append(f"  {ex['what']} (image {ex['image']}, request {ex['request']}): "
+                     + (f"cached {ex['cached_tokens']} tokens, the text's hit is {ex['anchor']}"
+                        if ex["what"] == "cross-hit" else f"expected {ex['cold']!r}, got {ex['got']!r}"))
+    lines.append("CORRUPTION FOUND" if a["corruption"] else "no corruption found")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
 # HTTP.
 # ---------------------------------------------------------------------------------------------
 
@@ -488,6 +602,33 @@ async def probe(url: str, *, n: int = 500, concurrency: int = 8, abort_fraction:
     return report
 
 
+async def image_probe(url: str, *, rounds: int = 8, repeats: int = REPEATS, seed: int = 0, api_key: str | None = None,
+                      model: str | None = None, max_tokens: int = 16, timeout: float = 600.0) -> dict[str, Any]:
+    """Run the image probe (``image_plan``, one request at a time: the cross-hit check needs A's
+    first send done before B's); returns the report (``render_images`` prints it)."""
+    import httpx
+
+    jobs = image_plan(rounds, repeats, seed)
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(timeout=timeout) as http:
+        client = Client(http, url, api_key, model, max_tokens)
+        await client.connect()
+        results = await _hammer(client, jobs, 1, lambda *a: None)
+        metrics = await _idle_metrics(client)
+    elapsed = time.perf_counter() - t0
+    if not any(r.completed for r in results):
+        first = next((r.error for r in results if r.error), "no request completed")
+        raise ProbeError(f"no image request to {url} completed: {first}")
+    report = {"url": url, "model": client.model, "requests": len(jobs), "rounds": rounds, "repeats": repeats,
+              "seed": seed, "max_tokens": max_tokens, "compared_by": "tokens" if client.logprobs else "text",
+              "elapsed_s": elapsed}
+    report.update(analyze_images(results))
+    report["server"] = server_state(metrics) if metrics is not None else None
+    checksums = (report["server"] or {}).get("snapshot_checksum_mismatches") or 0
+    report["corruption"] = bool(report["cross_hits"] or report["hit_vs_cold_mismatches"] or checksums)
+    return report
+
+
 def main(args) -> int:
     """``jaxserve probe`` (args from cli.py's parser)."""
     try:
@@ -500,11 +641,18 @@ def main(args) -> int:
               (0 <= args.abort_fraction < 1, "--abort-fraction must be in [0, 1)"),
               (12 < lo <= hi, "--needle-tokens needs 12 < MIN <= MAX"),
               (args.max_tokens >= 1, "--max-tokens must be >= 1"), (args.repeats >= 1, "--repeats must be >= 1"),
-              (kinds and set(kinds) <= set(tasks.KINDS), f"--kinds must name some of {','.join(tasks.KINDS)}"),
+              (kinds and (set(kinds) <= set(tasks.KINDS) or kinds == ("image",)),
+               f"--kinds must name some of {','.join(tasks.KINDS)}, or be image (alone)"),
               (args.url.startswith(("http://", "https://")), f"--url must start with http:// or https://, got {args.url!r}")]
     for ok, why in checks:
         if not ok:
             raise ProbeError(why)
+    if kinds == ("image",):  # --n requests: two images a round, --repeats sends each
+        report = asyncio.run(image_probe(
+            args.url, rounds=max(1, args.n // (2 * args.repeats)), repeats=args.repeats, seed=args.seed,
+            api_key=args.api_key, model=args.model, max_tokens=args.max_tokens, timeout=args.timeout))
+        print(json.dumps(report) if args.json else render_images(report))
+        return 1 if report["corruption"] else 0
     report = asyncio.run(probe(
         args.url, n=args.n, concurrency=args.concurrency, abort_fraction=args.abort_fraction, seed=args.seed,
         needle_tokens=(lo, hi), reference_url=args.reference_url, api_key=args.api_key, model=args.model,

@@ -3,9 +3,9 @@
     app = create_app(AsyncEngine(engine).start(), served_model_name="my-model", api_key=None)
 
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE streaming
-or not), ``GET /health``, ``GET /metrics``. ``app.state.server`` is the ``ServerState`` the routes
-read; ``app.state.async_engine`` reaches the engine (tests use ``call_sync(fn)`` to run
-``fn(engine)`` between steps).
+or not), ``GET /health``, ``GET /metrics``, ``GET /server_info`` (for sglang-router).
+``app.state.server`` is the ``ServerState`` the routes read; ``app.state.async_engine`` reaches the
+engine (tests use ``call_sync(fn)`` to run ``fn(engine)`` between steps).
 
 Contract with clients:
 - Every error this app answers is OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}``
@@ -54,7 +54,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve.engine.engine import RequestOutput
-from jaxserve.generate import SamplingParams
+from jaxserve.sampling_params import SamplingParams, check_prompt_ids
 from server import images as image_parts
 from server.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from server.limits import ImageLimits
@@ -82,6 +82,8 @@ class ServerState:
     images: Any = None
     no_images: str = ""
     image_limits: ImageLimits = ImageLimits()
+    # The model's vision special tokens (server.images.vision_token_ids): refused in completion prompts.
+    vision_ids: dict[int, str] = dataclasses.field(default_factory=dict)
 
 
 def max_prompt_chars(tokenizer, context: int) -> int:
@@ -118,7 +120,8 @@ def create_app(async_engine: AsyncEngine, served_model_name: str, api_key: str |
         engine=async_engine, model_name=served_model_name, tokenizer=tokenizer, vocab_size=engine.vocab_size,
         context=context, max_prompt_chars=max_prompt_chars(tokenizer, context),
         token_text=_TokenText(tokenizer), images=None if no_images else images, no_images=no_images,
-        image_limits=image_limits)
+        image_limits=image_limits, vision_ids=image_parts.vision_token_ids(engine.executor.cfg.vision if has_tower
+                                                                            else None, tokenizer))
     for exc in (APIError, StarletteHTTPException, EngineDeadError, RequestFailedError, Exception):
         app.add_exception_handler(exc, _error_response)
     app.include_router(router)
@@ -241,6 +244,15 @@ async def get_model(model: str, request: Request):
     return _card(st)
 
 
+@router.get("/server_info")
+async def server_info(request: Request):
+    """The route sglang-router reads when a worker registers (SGLang's name; it falls back to
+    ``/get_server_info``): the model id it lists on its own ``/v1/models`` is ``served_model_name``.
+    Without it the router lists ``unknown``, which clients (``jaxserve bench`` among them) would send."""
+    st = _state(request)
+    return {"served_model_name": st.model_name}
+
+
 def _check_model(st: ServerState, model: str) -> None:
     if model != st.model_name:
         raise APIError(404, f"The model '{model}' does not exist. This server serves '{st.model_name}'.",
@@ -263,10 +275,11 @@ async def completions(request: Request):
                            code="unsupported_parameter")
         prompt = prompt[0]
     prompt_ids = await _encode(st, prompt, "prompt") if isinstance(prompt, str) else list(prompt)
-    if not prompt_ids:
-        raise APIError(400, "The prompt is empty.", param="prompt", code="invalid_value")
-    if min(prompt_ids) < 0 or max(prompt_ids) >= st.vocab_size:
-        raise APIError(400, f"Prompt token ids must be in [0, {st.vocab_size}).", param="prompt", code="invalid_value")
+    try:
+        check_prompt_ids(prompt_ids, st.vocab_size)
+    except ValueError as e:
+        raise APIError(400, f"The {e}.", param="prompt", code="invalid_value") from None
+    image_parts.refuse_vision_tokens(prompt_ids, st.vision_ids)
     sp = _sampling(st, body, len(prompt_ids), body.max_tokens, "max_tokens", "prompt", default_max=16)
     return await _respond(request, st, body, prompt_ids, sp, "prompt", _CompletionShape(st, body.logprobs))
 

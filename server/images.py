@@ -61,6 +61,37 @@ def refused(model: str, why: str, part: ImagePart) -> APIError:
                     param=part.part, code="image_input_not_supported")
 
 
+def vision_token_ids(vision, tokenizer) -> dict[int, str]:
+    """The vision special tokens a prompt without images must not hold, id -> what it is: the image
+    placeholder, the vision start and the vision end of a model with a tower (``vision``: its
+    ``VisionConfig``; None: no tower, no such tokens). Only where the tokenizer has them as special
+    tokens (or there is no tokenizer): where they are ordinary text tokens, as in a tokenizer without
+    vision tokens, any text may produce them and they mean nothing more."""
+    if vision is None:
+        return {}
+    roles = {vision.image_token_id: "the image placeholder", vision.vision_start_token_id: "the vision start token",
+             vision.vision_end_token_id: "the vision end token"}
+    if tokenizer is None:
+        return roles
+
+    def special(tid: int) -> bool:
+        return (0 <= tid < tokenizer.vocab_size and tokenizer.id_to_token(tid) is not None
+                and tokenizer.decode([tid], skip_special_tokens=True) == "")
+
+    return {tid: f"{role} {tokenizer.id_to_token(tid)}" for tid, role in roles.items() if special(tid)}
+
+
+def refuse_vision_tokens(prompt_ids: Sequence[int], vision_ids: dict[int, str]) -> None:
+    """A 400 for a prompt that carries no image but holds a vision special token (``vision_token_ids``):
+    the engine would take an image placeholder for an image row that does not exist."""
+    if not vision_ids or vision_ids.keys().isdisjoint(prompt_ids):
+        return
+    at, tid = next((i, t) for i, t in enumerate(prompt_ids) if t in vision_ids)
+    raise APIError(400, f"Prompt token {at} (id {tid}) is {vision_ids[tid]}, which only an image may bring, and "
+                        f"/v1/completions takes no images: send images as image_url content parts to "
+                        f"/v1/chat/completions.", param="prompt", code="invalid_value")
+
+
 def check_count(parts: Sequence[ImagePart], limits: ImageLimits) -> None:
     """At most ``limits.max_images`` image parts."""
     if len(parts) > limits.max_images:

@@ -18,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxserve import probe
-from jaxserve.cli import DEFAULT_MODEL_DIR, _engine_args, build_parser, main
+from jaxserve.cli import DEFAULT_MODEL_DIR, main
+from tests.engine.faults import FAULTS, FaultyScheduler
 from weights.groundtruth import tasks
 
 SERVE = dict(dtype="float32", num_pages=512, num_slots=64, max_prefill_length=32, max_running_requests=8,
@@ -162,19 +163,13 @@ def test_usage_and_connection_errors_exit_2(capsys):
     assert "--kinds" in capsys.readouterr().err
 
 
-def test_fault_flag_reaches_the_engine():
-    args = build_parser().parse_args(["serve", "--debug-inject-fault", "wrong-snapshot"])
-    assert _engine_args(args, progress=False).debug_fault == "wrong-snapshot"
-    assert _engine_args(build_parser().parse_args(["serve"]), progress=False).debug_fault is None
-    assert "debug-inject-fault" not in build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
-
-
 # ---------------------------------------------------------------------- against the real server
 
 
 @pytest.fixture
 def serve():
-    """Start an in-process server on the shipped model; yields ``start(**engine_args) -> (url, aeng)``."""
+    """Start an in-process server on the shipped model; yields ``start(fault=None, **engine_args) ->
+    (url, aeng)``. ``fault``: corrupt every cache hit on purpose (tests/engine/faults.py)."""
     from jaxserve.engine.llm import EngineArgs, build_engine
     from server.app import create_app
     from server.async_engine import AsyncEngine
@@ -182,8 +177,10 @@ def serve():
 
     running = []
 
-    def start(**kw):
+    def start(fault=None, **kw):
         engine = build_engine(EngineArgs(model=str(DEFAULT_MODEL_DIR), **{**SERVE, **kw}))
+        if fault is not None:
+            FaultyScheduler.corrupt(engine.scheduler, fault)
         aeng = AsyncEngine(engine).start()
         srv = _Server(create_app(aeng, served_model_name="probe-test"))
         running.append((srv, aeng))
@@ -227,9 +224,9 @@ def test_hammer_clean_server(serve, capsys):
     assert aeng.call_sync(flushed)
 
 
-@pytest.mark.parametrize("fault", ["stale-snapshot", "wrong-snapshot"])
+@pytest.mark.parametrize("fault", FAULTS)
 def test_hammer_catches_injected_fault(serve, capsys, fault):
-    url, _ = serve(debug_fault=fault)
+    url, _ = serve(fault=fault)
     # Only the kinds long enough to hit (arithmetic prompts are shorter than one x64 boundary).
     rc, rep = _probe(capsys, url, "--kinds", "needle,recall", "--n", "40", "--abort-fraction", "0.25", "--seed", "0")
     assert rep["totals"]["hit_vs_cold_mismatches"] > 0 and rep["corruption"]
@@ -244,3 +241,92 @@ def test_reference_url(serve, capsys):
     t = rep["totals"]
     assert t["reference_compared"] == t["completed"] > 0 and t["reference_mismatches"] == 0, rep["mismatch_examples"]
     assert rc == 0
+
+
+# ---------------------------------------------------------------------- the image probe
+
+
+def test_image_plan_alternates_two_fresh_images_after_one_text():
+    jobs = probe.image_plan(rounds=2, repeats=3, seed=5, prefix_words=20, side=32)
+    assert [(j.key, j.role) for j in jobs[:7]] == [(0, "warmup"), (1, "cold"), (2, "cold"), (1, "repeat"),
+                                                   (2, "repeat"), (1, "repeat"), (2, "repeat")]
+    assert len(jobs) == 1 + 2 * 2 * 3 and {j.key for j in jobs} == {0, 1, 2, 3, 4}
+    parts = {j.key: j.messages[0]["content"] for j in jobs}
+    assert len({p[0]["text"] for p in parts.values()}) == 1  # one text before every image
+    assert [p["type"] for p in parts[0]] == ["text", "text"]  # the warm-up caches the text, no image
+    assert len({p[1]["image_url"]["url"] for k, p in parts.items() if k}) == 4  # a fresh image per key
+    assert probe.image_plan(2, 3, 5, 20, 32) == jobs  # deterministic
+
+
+def test_analyze_images_counts_cross_hits_and_mismatches():
+    def res(idx, key, role, cached, tokens):
+        return probe.Result(probe.Job(idx, key, "image", (), "", role), text="".join(tokens), tokens=tokens,
+                            finish_reason="length", prompt_tokens=400, cached_tokens=cached, done_at=idx)
+
+    warm = res(0, 0, "warmup", 0, ["w"])
+    clean = [warm, res(1, 1, "cold", 64, ["a"]), res(2, 2, "cold", 128, ["b"]), res(3, 1, "repeat", 320, ["a"]),
+             res(4, 2, "repeat", 320, ["b"])]
+    a = probe.analyze_images(clean)  # B's first send one boundary past A's: the image's opening tokens
+    assert (a["first_sends_compared"], a["cross_hits"], a["hits_compared"], a["hit_vs_cold_mismatches"]) == (1, 0, 2, 0)
+    assert a["anchor_cached_tokens"] == 64 and a["requests"] == 5 and a["completed"] == 5
+    crossed = [warm, res(1, 1, "cold", 64, ["a"]), res(2, 2, "cold", 320, ["a"]), res(3, 1, "repeat", 320, ["a"]),
+               res(4, 2, "repeat", 320, ["c"])]
+    a = probe.analyze_images(crossed)
+    assert (a["cross_hits"], a["hit_vs_cold_mismatches"]) == (1, 1)
+    assert {e["what"] for e in a["mismatch_examples"]} == {"cross-hit", "hit vs cold"}
+
+
+@pytest.fixture(scope="module")
+def vl_server(tmp_path_factory):
+    """The tiny Qwen3.5 checkpoint with a tower served in this process, twice over one engine: as it
+    is, and with cache keys blind to the image (every placeholder keyed on its token id: the bug
+    content keys exist to prevent)."""
+    from jaxserve.engine.llm import LLM, EngineArgs
+    from server.app import create_app
+    from server.async_engine import AsyncEngine
+    from tests.reference.bridge import run_torch
+    from tests.server.test_server import _Server
+
+    folder = tmp_path_factory.mktemp("probe-vl") / "qwen3_5-vl"
+    run_torch("weights.tiny", "--family", "qwen3_5", "--variant", "vl", "--out", str(folder), "--seed", "5")
+    llm = LLM.from_args(EngineArgs(model=str(folder), dtype="float32", num_pages=512, num_slots=32,
+                                   max_prefill_length=64, max_running_requests=4, progress=False))
+
+    class ContentBlind:
+        def __init__(self, images):
+            self._images = images
+
+        def __getattr__(self, name):
+            return getattr(self._images, name)
+
+        def prepare(self, ids, images):
+            expanded, _, prompt = self._images.prepare(ids, images)
+            return expanded, expanded, prompt
+
+    aeng = AsyncEngine(llm.engine).start()
+    servers = [_Server(create_app(aeng, "probe-vl", images=llm.images)),
+               _Server(create_app(aeng, "probe-vl", images=ContentBlind(llm.images)))]
+    yield servers[0].url, servers[1].url
+    for srv in servers:
+        srv.close()
+    aeng.stop()
+
+
+IMAGE_PROBE = ["--kinds", "image", "--n", "8", "--repeats", "2", "--max-tokens", "4", "--json"]
+
+
+def test_image_probe_clean_server(vl_server, capsys):
+    capsys.readouterr()
+    assert main(["probe", "--url", vl_server[0], "--seed", "1", *IMAGE_PROBE]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["requests"] == 9 and rep["errors"] == 0 and rep["completed"] == 9
+    assert rep["first_sends_compared"] == 3 and rep["cross_hits"] == 0 and rep["hits_compared"] == 4
+    assert rep["hit_vs_cold_mismatches"] == 0 and not rep["corruption"], rep["mismatch_examples"]
+    assert rep["anchor_cached_tokens"] >= 64  # the long text did hit
+
+
+def test_image_probe_catches_content_blind_keys(vl_server, capsys):
+    capsys.readouterr()
+    assert main(["probe", "--url", vl_server[1], "--seed", "2", *IMAGE_PROBE]) == 1
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["cross_hits"] == 3 and rep["corruption"], rep

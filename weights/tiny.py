@@ -76,9 +76,13 @@ VARIANTS: dict[str, dict[str, tuple[dict, bool]]] = {
 # The vision tower of every multimodal variant (patch 8, merge 2: one soft token per 16x16 pixels).
 VISION_BASE = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, spatial_merge_size=2,
                    temporal_patch_size=2, num_position_embeddings=16, initializer_range=INIT_RANGE)
-# Special tokens of the multimodal variants, just under the tiny tokenizer's own specials.
+# Special tokens of the multimodal variants, just under the tiny tokenizer's own specials: their
+# tokenizer has them as special tokens at these ids (``VISION_SPECIALS``), as Qwen's tokenizers do.
 IMAGE_TOKENS = dict(image_token_id=VOCAB - 4, video_token_id=VOCAB - 5, vision_start_token_id=VOCAB - 6,
                     vision_end_token_id=VOCAB - 7)
+_VISION_NAMES = dict(image_token_id="<|image_pad|>", video_token_id="<|video_pad|>",
+                     vision_start_token_id="<|vision_start|>", vision_end_token_id="<|vision_end|>")
+VISION_SPECIALS = tuple(_VISION_NAMES[k] for k in sorted(IMAGE_TOKENS, key=IMAGE_TOKENS.get))  # in id order
 
 # Kimi-Linear: KDA linear layers (3 of 4), MLA full attention, sigmoid-routed grouped experts with
 # a selection bias (drawn at random below: transformers initialises it to zero, which would leave
@@ -147,13 +151,18 @@ def _build(family: str, variant: str, seed: int):
 
 
 def write(family: str, variant: str, out: str, seed: int = 0) -> None:
-    """Write the checkpoint folder; the eos token is the tokenizer's ``<|im_end|>``."""
+    """Write the checkpoint folder; the eos token is the tokenizer's ``<|im_end|>``; a checkpoint
+    with a tower gets the vision special tokens in its tokenizer."""
     from transformers import GenerationConfig
 
     from weights.tiny_tokenizer import save_tiny_tokenizer
 
     model = _build(family, variant, seed).eval()
-    tokenizer = save_tiny_tokenizer(out, VOCAB)
+    multimodal = VARIANTS[family][variant][1]
+    tokenizer = save_tiny_tokenizer(out, VOCAB, VISION_SPECIALS if multimodal else ())
+    if multimodal:
+        for key, name in _VISION_NAMES.items():
+            assert tokenizer.convert_tokens_to_ids(name) == IMAGE_TOKENS[key], (name, IMAGE_TOKENS[key])
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     model.config.eos_token_id = eos
     model.generation_config = GenerationConfig(eos_token_id=eos, do_sample=False)

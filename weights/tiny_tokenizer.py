@@ -7,10 +7,13 @@ with transformers v5, chat_template.jinja). The engine's tokenizer is tested aga
 on these files, and tiny checkpoints carry them so that every path of the server runs end to end.
 
 Invariants:
-- ``len(vocab) == vocab_size`` exactly: ``vocab_size - 3`` byte-level BPE tokens (the 256 byte
-  symbols first, then merges) followed by the three specials ``<|endoftext|>``, ``<|im_start|>``,
-  ``<|im_end|>``, whose ids are therefore ``vocab_size - 3 .. vocab_size - 1``. A tiny model
-  config with the same ``vocab_size`` can emit every id the tokenizer knows and nothing else.
+- ``len(vocab) == vocab_size`` exactly: byte-level BPE tokens (the 256 byte symbols first, then
+  merges), then the ``extra_specials`` in order, then the three specials ``<|endoftext|>``,
+  ``<|im_start|>``, ``<|im_end|>``, whose ids are therefore ``vocab_size - 3 .. vocab_size - 1``.
+  A tiny model config with the same ``vocab_size`` can emit every id the tokenizer knows and
+  nothing else. Checkpoints with a vision tower pass Qwen's four vision tokens as
+  ``extra_specials`` (``weights/tiny.py``), so they are special tokens at the ids the config names,
+  as in real Qwen3.5 / Qwen3-VL tokenizers.
 - Deterministic: the BPE trainer breaks count ties by pair ids, the corpus is a constant, and the
   training is single threaded, so every run writes byte-identical files.
 - Pre-tokenisation is Qwen2's (the regex that splits digits one by one, then byte-level without a
@@ -82,13 +85,15 @@ paid the bill and walked together to the station, where the train was already wa
 """
 
 
-def build_tokenizer(vocab_size: int):
-    """The raw ``tokenizers.Tokenizer`` (BPE trained on CORPUS + the three specials)."""
+def build_tokenizer(vocab_size: int, extra_specials: tuple[str, ...] = ()):
+    """The raw ``tokenizers.Tokenizer`` (BPE trained on CORPUS, then ``extra_specials`` and the
+    three specials)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-    n_regular = vocab_size - len(SPECIAL_TOKENS)
+    n_regular = vocab_size - len(extra_specials) - len(SPECIAL_TOKENS)
     if n_regular < 256:
-        raise ValueError(f"vocab_size {vocab_size} is too small: a byte-level BPE needs 256 + 3 tokens at least")
+        raise ValueError(f"vocab_size {vocab_size} is too small: a byte-level BPE needs 256 + "
+                         f"{len(extra_specials) + len(SPECIAL_TOKENS)} tokens at least")
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -113,19 +118,20 @@ def build_tokenizer(vocab_size: int):
             f"the built-in corpus only supports {tok.get_vocab_size()} BPE tokens, "
             f"fewer than the {n_regular} needed for vocab_size {vocab_size}"
         )
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.add_special_tokens(list(extra_specials) + list(SPECIAL_TOKENS))
     assert tok.get_vocab_size() == vocab_size
     return tok
 
 
-def save_tiny_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512):
+def save_tiny_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512, extra_specials: tuple[str, ...] = ()):
     """Write a Qwen-style tokenizer of exactly ``vocab_size`` tokens to ``out_dir`` with
-    ``save_pretrained``; returns the transformers tokenizer object."""
+    ``save_pretrained`` (``extra_specials``: more special tokens, just below the three); returns the
+    transformers tokenizer object."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # single-threaded training: deterministic
     from transformers import PreTrainedTokenizerFast
 
     hf = PreTrainedTokenizerFast(
-        tokenizer_object=build_tokenizer(vocab_size),
+        tokenizer_object=build_tokenizer(vocab_size, tuple(extra_specials)),
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         unk_token=None,

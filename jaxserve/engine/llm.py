@@ -4,7 +4,13 @@
     outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=16))
     outs[0].output_ids, outs[0].text, outs[0].finish_reason, outs[0].cached_tokens
 
-``EngineArgs`` carries the flags the CLI and the server share (names follow vLLM / SGLang).
+``EngineArgs`` carries the flags the CLI and the server share (names follow vLLM / SGLang), and
+their defaults: the CLI's flags show these (``jaxserve/cli.py`` reads them, never repeats them).
+
+This module is the engine's assembly, the one place that puts the parts together: checkpoint
+loading (``weights.loader``, which sits above the models and below this module), the memory plan,
+the pools, the scheduler and the runner. The rest of ``jaxserve.engine`` never imports ``weights``
+(``tests/test_layering.py``).
 """
 
 from __future__ import annotations
@@ -27,15 +33,17 @@ from jaxserve.engine import startup
 from jaxserve.engine.pools import device_budget, init_pools
 from jaxserve.engine.runner import Buckets, DeviceExecutor, Placement, warmup
 from jaxserve.engine.scheduler import Scheduler
-from jaxserve.generate import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.models import backends
 from jaxserve.models.gated_deltanet import use_conv_kernel, use_decode_kernel, use_prefill_kernel
 from jaxserve.models.layers import use_attention_kernel
+from jaxserve.models.vision import compile_buckets
 from jaxserve.multimodal.preprocess import (MAX_PIXELS_ENV, ImageProcessing, PixelPatches, decode, default_max_pixels,
                                             preprocess)
 from jaxserve.multimodal.prompt import prepare
 from jaxserve.parallel.tensor import TensorParallel
 from jaxserve.tokenizer import Tokenizer
+from weights.loader import load_model
 
 CPU_BUDGET_BYTES = 512 << 20  # a CPU device reports no memory; pools default to this budget there
 
@@ -57,7 +65,6 @@ class EngineArgs:
     kernels: str = "auto"  # ModelConfig.kernels (jaxserve/models/backends.py)
     overlap_schedule: bool = True  # plan and dispatch step N+1 while step N runs (Engine docstring)
     debug_snapshot_checksums: bool = False
-    debug_fault: str | None = None  # TEST ONLY: "stale-snapshot" / "wrong-snapshot" corrupt every hit (Scheduler)
     progress: bool = True
     # Compile every step program (Buckets.programs()) before returning, so no request waits for a
     # compile (serve: on). Off, a program compiles when a step first needs it.
@@ -149,8 +156,6 @@ def _tensor_parallel(args: EngineArgs) -> TensorParallel | None:
 def build_engine(args: EngineArgs) -> Engine:
     """Load the checkpoint, plan memory (measuring the largest step where the device reports its
     memory), allocate pools, compile every step program if ``compile_all``, and wire the engine."""
-    from weights import load_model
-
     backends.validate(args.kernels)
     tp = _tensor_parallel(args)
     cache_dir = startup.enable_compile_cache(args.compile_cache)
@@ -199,7 +204,6 @@ def build_engine(args: EngineArgs) -> Engine:
                           max_prefill_tokens=buckets.tokens[-1], max_running=args.max_running_requests,
                           max_pages_per_seq=min(buckets.pages_per_seq, -(-max_len // args.page_size)),
                           eos_token_ids=eos, policy=make_policy(args.policy))
-    scheduler.debug_fault = args.debug_fault
     executor = DeviceExecutor(params, cfg, pools, buckets, placement)
     engine = Engine(scheduler, executor, vocab_size=cfg.vocab_size, tokenizer=tokenizer,
                     debug_snapshot_checksums=args.debug_snapshot_checksums, overlap=args.overlap_schedule)
@@ -234,16 +238,14 @@ class LLM:
             raise ValueError("this model has no vision tower; it takes no images")
         if len(images) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(images)} image lists")
-        samplings = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
-        rids = []
-        for prompt, sampling, imgs in zip(prompts, samplings, images):
-            ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            expanded, keys, image_prompt = self.images.prepare(ids, imgs or ())
-            rids.append(self.engine.add_request(expanded, sampling, stop, cache_ids=keys,
-                                                images=image_prompt if imgs else None))
-        held = {rid: self.engine.requests[rid] for rid in rids}
-        self.engine.run_until_done()
-        return [self.engine._output(held[rid]) for rid in rids]
+        ids, keys, image_prompts = [], [], []
+        for prompt, imgs in zip(prompts, images):
+            prompt_ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            expanded, cache_ids, image_prompt = self.images.prepare(prompt_ids, imgs or ())
+            ids.append(expanded)
+            keys.append(cache_ids)
+            image_prompts.append(image_prompt if imgs else None)
+        return self.engine.generate(ids, sampling_params, stop, cache_ids=keys, images=image_prompts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,4 +319,6 @@ def image_input(args: EngineArgs, engine: Engine) -> ImageInput | None:
                f"{processing.factor}x{processing.factor} pixels per soft token, so at most "
                f"{processing.max_pixels // processing.factor**2} soft tokens an image)"
                + ("" if placeholder else f"; chat prompts cannot take images: {why}"))
+    if args.compile_all:  # every tower program an image up to the clamp needs, before serving
+        compile_buckets(engine.executor.params["vision"], vision, processing.max_pixels // processing.patch_size**2, engine.executor.buckets.tokens)
     return ImageInput(processing, vision, placeholder, why)

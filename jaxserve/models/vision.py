@@ -1,27 +1,33 @@
 """The Qwen3.5 / Qwen3.5-MoE / Qwen3-VL vision tower as functional JAX: pixels -> soft tokens.
 
     inputs = tower_inputs(vcfg, grid, bucket)      # host: numpy indices and weights for one image
-    embeds, deepstack = encode(params, vcfg, pixels_padded, inputs)
+    embeds, deepstack = encode(params, vcfg, pixels_padded, levels, inputs)
 
-Per image: a patch embedding (the checkpoint's Conv3d, whose kernel equals its stride, is one
-matmul over the flattened patch), plus the learned square position table resampled bilinearly
-(align_corners) to the image's patch grid; ``depth`` pre-norm blocks (LayerNorm, bidirectional
-attention with a 2-D rotary over the patch's (row, column), a tanh-GELU MLP); then the merger:
-LayerNorm, ``spatial_merge_size**2`` neighbouring patches concatenated, a GELU MLP to the text
-model's width. Qwen3-VL's deepstack mergers (a LayerNorm over the concatenated patches instead)
-tap the blocks ``VisionConfig.deepstack_layers`` names.
+Per image: the uint8 patches become the processor's float values on the device (a [C, 256] lookup,
+``jaxserve.multimodal.preprocess.patch_values``); a patch embedding (the checkpoint's Conv3d, whose
+kernel equals its stride, is one matmul over the flattened patch), plus the learned square position
+table resampled bilinearly (align_corners) to the image's patch grid; ``depth`` pre-norm blocks
+(LayerNorm, bidirectional attention with a 2-D rotary over the patch's (row, column), a tanh-GELU
+MLP); then the merger: LayerNorm, ``spatial_merge_size**2`` neighbouring patches concatenated, a
+GELU MLP to the text model's width. Qwen3-VL's deepstack mergers (a LayerNorm over the concatenated
+patches instead) tap the blocks ``VisionConfig.deepstack_layers`` names.
 
-Host code chooses, device code moves bytes: everything that depends on the image's grid (the
-position table's taps and weights, the rotary positions, which rows are padding) is computed by
-``tower_inputs`` in numpy, so the jitted ``encode`` depends only on the padded patch count and
-compiles once per bucket, not once per image size. Padding patches are masked out of attention
-and their soft tokens are dropped by the caller (``embeds[:n]``). Patches arrive in merge-block
-order (``jaxserve.multimodal.preprocess.patchify``), so every ``merge**2`` consecutive rows form
-one soft token throughout.
+Bounded compiles. Host code chooses, device code moves bytes: everything that depends on the
+image's grid (the position table's taps and weights, the rotary positions, which rows are padding)
+is computed by ``tower_inputs`` in numpy, so the jitted ``encode`` depends only on the padded patch
+count: one program per power-of-two bucket (``bucket_patches``), not one per image size. Padding
+patches are masked out of attention as keys (a real patch's output never depends on them), padding
+rows form whole merge groups (buckets and images are multiples of ``merge**2`` patches), and their
+soft tokens are never read. Patches arrive in merge-block order
+(``jaxserve.multimodal.preprocess.patchify``), so every ``merge**2`` consecutive rows form one soft
+token throughout. On the serving path the tower's output stays padded (``EncodedImage``) and a
+step's image table is assembled by programs of fixed shapes (``step_image_table``), so a new image
+size costs no compile once ``compile_buckets`` has run at start-up.
 """
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Mapping, NamedTuple
 
@@ -30,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import VisionConfig
+from jaxserve.multimodal.preprocess import PixelPatches, patch_values
 
 LAYER_NORM_EPS = 1e-6
 PREFIX = "model.visual"
@@ -175,13 +182,14 @@ def _merge(x: jax.Array, p: dict, vcfg: VisionConfig, postshuffle: bool) -> jax.
 
 
 @partial(jax.jit, static_argnames=("vcfg",))
-def encode(params: dict, vcfg: VisionConfig, pixels: jax.Array, inputs: TowerInputs):
-    """One image's patches ``pixels`` [P, patch_dim] (P a bucket, rows past the image are padding)
-    -> soft tokens [P / merge², out_hidden] and deepstack features [len(deepstack_layers), P / merge²,
-    out_hidden], in the params' dtype. Rows from padding patches are garbage; drop them."""
+def encode(params: dict, vcfg: VisionConfig, pixels: jax.Array, levels: jax.Array, inputs: TowerInputs):
+    """One image's uint8 patches ``pixels`` [P, C * p * p] (P a bucket, rows past the image are
+    padding) and their ``levels`` [C, 256] -> soft tokens [P / merge², out_hidden] and deepstack
+    features [len(deepstack_layers), P / merge², out_hidden], in the params' dtype. Rows from padding
+    patches are garbage; drop them."""
     dtype = params["pos_embed"].dtype
     nh, hd = vcfg.num_heads, vcfg.head_dim
-    x = _linear_apply(pixels.astype(dtype), params["patch"])
+    x = _linear_apply(patch_values(pixels, levels, vcfg.temporal_patch_size).astype(dtype), params["patch"])
     pos = jnp.sum(params["pos_embed"][inputs.taps] * inputs.weights[..., None].astype(dtype), axis=1)
     x = x + pos
     inv_freq = 1.0 / (vcfg.rope_theta ** (jnp.arange(0, hd // 2, 2, dtype=jnp.float32) / (hd // 2)))
@@ -217,23 +225,144 @@ def bucket_patches(n: int, merge_size: int) -> int:
     return max(unit, 1 << max(n - 1, 0).bit_length())
 
 
-def encode_image(params: dict, vcfg: VisionConfig, pixels: np.ndarray, grid: tuple[int, int, int]):
-    """One preprocessed image -> (embeds [n, out_hidden], deepstack [k, n, out_hidden]) with n its
-    soft-token count; pads to ``bucket_patches`` and drops the padding rows."""
-    n = pixels.shape[0]
+def patch_buckets(max_patches: int, merge_size: int) -> tuple[int, ...]:
+    """Every bucket an image of at most ``max_patches`` patches pads to, ascending."""
+    top, bucket, out = bucket_patches(max_patches, merge_size), bucket_patches(1, merge_size), []
+    while bucket <= top:
+        out.append(bucket)
+        bucket *= 2
+    return tuple(out)
+
+
+class EncodedImage(NamedTuple):
+    """The tower's output for one image, padded to its bucket: ``embeds`` [R, H], ``deepstack``
+    [k, R, H] with R = bucket / merge²; rows from ``tokens`` on are padding, never read."""
+
+    embeds: jax.Array
+    deepstack: jax.Array
+    tokens: int
+
+
+def encode_padded(params: dict, vcfg: VisionConfig, image: PixelPatches) -> EncodedImage:
+    """One preprocessed image through ``encode`` at its bucket; the output stays padded."""
+    n = image.pixels.shape[0]
     bucket = bucket_patches(n, vcfg.spatial_merge_size)
-    inputs = tower_inputs(vcfg, grid, bucket)
-    padded = np.pad(pixels, ((0, bucket - n), (0, 0)))
-    embeds, deep = encode(params, vcfg, jnp.asarray(padded), TowerInputs(*(jnp.asarray(a) for a in inputs)))
-    tokens = n // vcfg.spatial_merge_size**2
-    return embeds[:tokens], deep[:, :tokens]
+    inputs = tower_inputs(vcfg, image.grid, bucket)
+    padded = np.pad(image.pixels, ((0, bucket - n), (0, 0)))
+    embeds, deep = encode(params, vcfg, padded, image.levels, inputs)  # numpy in: a transfer, no program
+    return EncodedImage(embeds, deep, n // vcfg.spatial_merge_size**2)
+
+
+def encode_image(params: dict, vcfg: VisionConfig, image: PixelPatches) -> tuple[jax.Array, jax.Array]:
+    """One preprocessed image -> (embeds [n, out_hidden], deepstack [k, n, out_hidden]), n its
+    soft-token count (the straight-line path; serving keeps ``encode_padded``'s padding)."""
+    out = encode_padded(params, vcfg, image)
+    return out.embeds[:out.tokens], out.deepstack[:, :out.tokens]
 
 
 def encode_images(params: dict, vcfg: VisionConfig, images) -> tuple[jax.Array, jax.Array]:
     """A prompt's images (``PixelPatches`` in prompt order) -> all their soft tokens [n, H] and
     deepstack features [k, n, H], concatenated: row j belongs to the prompt's j-th placeholder."""
-    encoded = [encode_image(params, vcfg, im.pixels, im.grid) for im in images]
+    encoded = [encode_image(params, vcfg, im) for im in images]
     return jnp.concatenate([e for e, _ in encoded]), jnp.concatenate([d for _, d in encoded], axis=1)
+
+
+# -- a serving step's image table --------------------------------------------------------------------
+
+TABLE_BLOCK = 32  # rows of one block of a step's image table (the smallest step token bucket)
+
+
+def table_block(rows: int) -> int:
+    """The block size of a table of ``rows`` rows: ``TABLE_BLOCK``, or a divisor of ``rows`` for a
+    step size that is not a multiple of it."""
+    return math.gcd(rows, TABLE_BLOCK)
+
+
+@partial(jax.jit, static_argnames=("rows", "depth", "width", "dtype"))
+def _empty_block(rows: int, depth: int, width: int, dtype) -> tuple[jax.Array, jax.Array]:
+    return jnp.zeros((rows, width), dtype), jnp.zeros((depth, rows, width), dtype)
+
+
+@jax.jit
+def _place_rows(block: tuple[jax.Array, jax.Array], embeds: jax.Array, deepstack: jax.Array, source: jax.Array,
+                take: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Block row i becomes the image's row ``source[i]`` where ``take[i]``; the others are kept."""
+    rows, deep = block
+    return (jnp.where(take[:, None], embeds[source].astype(rows.dtype), rows),
+            jnp.where(take[None, :, None], deepstack[:, source].astype(deep.dtype), deep))
+
+
+@jax.jit
+def _join(blocks: tuple) -> tuple[jax.Array, jax.Array]:
+    return jnp.concatenate([e for e, _ in blocks]), jnp.concatenate([d for _, d in blocks], axis=1)
+
+
+def step_image_table(params: dict, vcfg: VisionConfig, windows, rows: int) -> tuple[jax.Array, jax.Array]:
+    """A step's image table (embeds [rows, H], deepstack [k, rows, H]) from ``windows``: (ImagePrompt,
+    a, b) in the order the step's placeholders come, each naming the prompt's image rows [a, b)
+    inside the step's token window. Table row j is the step's j-th placeholder; rows past them are
+    zeros. Each prompt runs the tower once, the first time a window needs it, and keeps its padded
+    output (``ImagePrompt.encoded``).
+
+    Programs of fixed shapes only: the table is built in blocks of ``table_block(rows)`` rows, each
+    filled from one padded image at a time (one program per image bucket), then joined (one program
+    per step size), so a new image size within known buckets compiles nothing and start-up compiles
+    buckets + step sizes programs, not their product."""
+    if sum(b - a for _, a, b in windows) > rows:
+        raise ValueError(f"{sum(b - a for _, a, b in windows)} image rows do not fit a table of {rows}")
+    block = table_block(rows)
+    zero = _empty_block(block, len(vcfg.deepstack_layers), vcfg.out_hidden_size, params["pos_embed"].dtype)
+    blocks, offset = [zero] * (rows // block), 0
+    for prompt, a, b in windows:
+        if prompt.encoded is None:
+            prompt.encoded = [encode_padded(params, vcfg, im) for im in prompt.images]
+        for image, start, end in zip(prompt.encoded, prompt.image_starts[:-1], prompt.image_starts[1:]):
+            lo, hi = max(a, int(start)), min(b, int(end))
+            at = offset + lo - a  # the table row of image row lo
+            for first in range(at - at % block, at + hi - lo, block) if lo < hi else ():
+                rows_here = np.arange(first, first + block)
+                take = (rows_here >= at) & (rows_here < at + hi - lo)
+                source = np.where(take, rows_here - at + lo - int(start), 0).astype(np.int32)
+                blocks[first // block] = _place_rows(blocks[first // block], image.embeds, image.deepstack, source,
+                                                     take)
+        offset += b - a
+    return _join(tuple(blocks))
+
+
+def compile_buckets(params: dict, vcfg: VisionConfig, max_patches: int, table_rows) -> int:
+    """Compile every program an image of at most ``max_patches`` patches needs on the serving path:
+    ``encode`` at each of its buckets (ahead of time, nothing runs: the largest bucket's attention is
+    not allocated here) and the step table's programs (``step_image_table``) for each size in
+    ``table_rows`` (the steps' token buckets) and each bucket. After it, no image request waits for
+    a compile of the tower or its table. Returns the number of programs.
+
+    An image the clamp lets through has at most ``max_pixels / patch_size**2`` patches (smart resize
+    keeps the area under the bound), except a sliver whose short side was raised to one soft token:
+    its bucket, if larger, compiles when it first comes."""
+    m = vcfg.spatial_merge_size
+    buckets = patch_buckets(max_patches, m)
+    dtype = params["pos_embed"].dtype
+    width, depth, channels = vcfg.out_hidden_size, len(vcfg.deepstack_layers), vcfg.in_channels
+    levels = jax.ShapeDtypeStruct((channels, 256), jnp.float32)
+    programs = 0
+    for bucket in buckets:
+        pixels = jax.ShapeDtypeStruct((bucket, channels * vcfg.patch_size**2), jnp.uint8)
+        inputs = TowerInputs(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in tower_inputs(vcfg, (1, m, m), bucket)))
+        encode.lower(params, vcfg, pixels, levels, inputs).compile()
+        programs += 1
+    for block in sorted({table_block(rows) for rows in table_rows}):
+        zero = _empty_block(block, depth, width, dtype)
+        index = (jax.ShapeDtypeStruct((block,), np.int32), jax.ShapeDtypeStruct((block,), np.bool_))
+        for bucket in buckets:
+            image = (jax.ShapeDtypeStruct((bucket // m**2, width), dtype),
+                     jax.ShapeDtypeStruct((depth, bucket // m**2, width), dtype))
+            _place_rows.lower(zero, *image, *index).compile()
+        programs += 1 + len(buckets)
+    for rows in table_rows:
+        zero = _empty_block(table_block(rows), depth, width, dtype)
+        _join.lower((zero,) * (rows // table_block(rows))).compile()
+        programs += 1
+    return programs
 
 
 def text_only(cfg, positions: jax.Array, delta: int, hidden: int, dtype):

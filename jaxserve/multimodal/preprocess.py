@@ -5,11 +5,16 @@
 2. smart resize: height and width become multiples of ``patch_size * merge_size`` with the aspect
    ratio kept as well as it can be and the pixel count inside [min_pixels, max_pixels]; Pillow's
    bicubic resample on the uint8 image;
-3. rescale to [0, 1] (in float64, then float32) and normalise per channel with the processor's
-   mean and std;
-4. patching: the image becomes ``grid_h * grid_w`` rows of ``C * temporal_patch_size * patch**2``
-   values (the one frame repeated over the temporal patch), ordered merge block by merge block so
-   that every ``merge_size**2`` consecutive rows form one soft token.
+3. patching: the image becomes ``grid_h * grid_w`` rows of ``C * patch**2`` values, ordered merge
+   block by merge block so that every ``merge_size**2`` consecutive rows form one soft token;
+4. rescale to [0, 1] (in float64, then float32) and normalise per channel with the processor's
+   mean and std, and repeat the one frame over the temporal patch: ``patch_values``.
+
+The host keeps steps 1-3 only, as uint8 (``PixelPatches``: 3 bytes a pixel); step 4 is a lookup
+of each uint8 level in a [C, 256] table computed with the processor's exact arithmetic
+(``PixelPatches.levels``), done on the device by the tower (``jaxserve.models.vision.encode``), so a
+1 Mpx image costs the host 3 MB instead of the 25 MB of its float32 patches, and the values the
+tower sees are bit for bit the processor's.
 
 The resize clamp (issue 25 §3): ``ImageProcessing.clamped`` lowers ``max_pixels`` (default
 ``DEFAULT_MAX_PIXELS``, ~1 Mpx; ``--image-max-pixels`` / ``JAXSERVE_IMAGE_MAX_PIXELS``), so a 4K
@@ -104,11 +109,14 @@ class ImageProcessing:
 
 
 class PixelPatches(NamedTuple):
-    """One preprocessed image: ``pixels`` [grid_h * grid_w, C * tp * p * p] float32 in merge-block
-    order, ``grid`` (t, grid_h, grid_w) in patches."""
+    """One preprocessed image as the host keeps it: ``pixels`` [grid_h * grid_w, C * p * p] uint8 in
+    merge-block order (one frame: the temporal repeat is the device's), ``grid`` (t, grid_h,
+    grid_w) in patches, ``levels`` [C, 256] float32: the processor's value of each uint8 level per
+    channel (``levels``). ``patch_values`` turns them into what transformers' processor outputs."""
 
     pixels: np.ndarray
     grid: tuple[int, int, int]
+    levels: np.ndarray
 
     def num_tokens(self, merge_size: int) -> int:
         """Soft tokens (placeholders) this image takes in the prompt."""
@@ -163,19 +171,37 @@ def normalize(chw: np.ndarray, proc: ImageProcessing) -> np.ndarray:
     return (x - mean) / std
 
 
+def levels(proc: ImageProcessing, channels: int = 3) -> np.ndarray:
+    """[C, 256] float32: ``normalize`` of every uint8 level on every channel (a lookup table
+    equal, value for value, to normalising the image)."""
+    ramp = np.broadcast_to(np.arange(256, dtype=np.uint8), (channels, 1, 256))
+    return np.ascontiguousarray(normalize(ramp, proc)[:, 0, :])
+
+
 def patchify(chw: np.ndarray, proc: ImageProcessing) -> PixelPatches:
-    """float [C, H, W] (H, W multiples of ``proc.factor``) -> patches in merge-block order."""
+    """uint8 [C, H, W] (H, W multiples of ``proc.factor``) -> uint8 patches in merge-block order."""
     c, height, width = chw.shape
-    p, m, tp = proc.patch_size, proc.merge_size, proc.temporal_patch_size
+    p, m = proc.patch_size, proc.merge_size
     gh, gw = height // p, width // p
     x = chw.reshape(c, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)  # (bh, bw, mh, mw, C, ph, pw)
-    x = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], tp, p, p))
-    return PixelPatches(np.ascontiguousarray(x.reshape(gh * gw, c * tp * p * p), dtype=np.float32), (1, gh, gw))
+    return PixelPatches(np.ascontiguousarray(x.reshape(gh * gw, c * p * p), dtype=np.uint8), (1, gh, gw),
+                        levels(proc, c))
+
+
+def patch_values(pixels, levels, temporal_patch_size: int):
+    """uint8 patches [n, C * p * p] and their ``levels`` [C, 256] -> the processor's float32 patches
+    [n, C * tp * p * p] (each value looked up for its channel, the frame repeated ``tp`` times).
+    Indexing and ``repeat`` only, so it runs on numpy arrays and, inside the tower, on JAX arrays."""
+    n, width = pixels.shape
+    channels = levels.shape[0]
+    channel = np.repeat(np.arange(channels), width // channels)[None, :]
+    values = levels[channel, pixels].reshape(n, channels, 1, width // channels)
+    return values.repeat(temporal_patch_size, axis=2).reshape(n, channels * temporal_patch_size * (width // channels))
 
 
 def preprocess(image, proc: ImageProcessing) -> PixelPatches:
-    """A decoded Pillow image -> the tower's input."""
-    return patchify(normalize(resize(image, proc), proc), proc)
+    """A decoded Pillow image -> the tower's input (uint8 patches and their levels)."""
+    return patchify(resize(image, proc), proc)
 
 
 # Decoding ------------------------------------------------------------------------------------------

@@ -38,7 +38,8 @@ def expand_placeholders(ids: Sequence[int], image_token_id: int, counts: Sequenc
 
 
 def digest(pixels: np.ndarray, grid: Sequence[int]) -> bytes:
-    """An image's content key: blake2b over exactly what the tower sees (its patches and grid)."""
+    """An image's content key: blake2b over its uint8 patches and grid, all the tower sees of it
+    (the normalisation levels are the model's, the same for every image a server takes)."""
     h = hashlib.blake2b(digest_size=16)
     h.update(np.asarray(grid, np.int64).tobytes())
     h.update(np.ascontiguousarray(pixels).tobytes())
@@ -116,15 +117,17 @@ def cache_ids(ids: Sequence[int], image_token_id: int, digests: Sequence[bytes],
 
 class ImagePrompt:
     """What the engine carries for a prompt with images: its preprocessed images (``PixelPatches``,
-    in prompt order), every placeholder's token index (image row j sits at ``placeholders[j]``) and
-    the multimodal rotary positions. ``embeds`` / ``deepstack`` hold the tower's output once the
-    executor has computed it (device arrays; the host only passes them on)."""
+    in prompt order), every placeholder's token index (image row j sits at ``placeholders[j]``),
+    where each image's rows start (image i owns rows ``image_starts[i]:image_starts[i + 1]``) and
+    the multimodal rotary positions. ``encoded`` holds the tower's output per image once the executor
+    has computed it (``jaxserve.models.vision.EncodedImage``, device arrays the host only passes on)."""
 
     def __init__(self, ids: Sequence[int], images: Sequence, image_token_id: int, merge_size: int):
         self.images = list(images)
         self.placeholders = placeholder_positions(ids, image_token_id)
+        self.image_starts = np.cumsum([0] + [im.num_tokens(merge_size) for im in self.images])
         self.rope_pos, self.delta = mrope_positions(ids, image_token_id, [im.grid for im in images], merge_size)
-        self.embeds = self.deepstack = None
+        self.encoded = None
 
     def rope_positions(self, start: int, end: int) -> np.ndarray:
         """Rotary (t, h, w) of tokens [start, end); past the prompt, ``p + delta`` on every axis."""

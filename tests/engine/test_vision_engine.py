@@ -17,7 +17,8 @@ import pytest
 from PIL import Image
 
 from jaxserve.engine.llm import LLM
-from jaxserve.generate import SamplingParams, generate
+from jaxserve.generate import generate
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.multimodal import preprocess as pp
 from jaxserve.multimodal import prompt as mm
 from tests.engine.checks import assert_pools_free_after_flush, drive
@@ -112,3 +113,27 @@ def _png(image: Image.Image) -> bytes:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return buf.getvalue()
+
+
+def test_new_image_sizes_compile_nothing_after_the_tower_buckets(llm):
+    """Issue 25's bounded compiles through the whole engine: once start-up has run every step program
+    (``warmup``) and ``compile_buckets`` has compiled the tower and its step tables, as serve does,
+    images of three sizes in one bucket (72, 80 and 96 patches, all padded to 128) are served
+    without a single XLA compile, and still give the straight-line path's tokens."""
+    from jaxserve.engine import startup
+    from jaxserve.engine.runner import warmup
+    from jaxserve.models.vision import compile_buckets
+
+    ex = llm.engine.executor
+    ex.pools = warmup(ex.params, ex.cfg, ex.pools, ex.buckets)
+    compile_buckets(ex.params["vision"], ex.cfg.vision, max_patches=128 * 128 // 64, table_rows=ex.buckets.tokens)
+    ids = _text(10, 12) + [START, IMAGE, END] + _text(11, 3)
+    before, served = startup.backend_compiles(), []
+    for seed, (h, w) in enumerate(((40, 100), (64, 80), (48, 128)), start=13):
+        rid, expanded, prompt = _submit(llm, ids, [_image(seed, h, w)])
+        served.append((drive(llm.engine)[rid], expanded, prompt))
+        assert startup.backend_compiles() == before, f"{h}x{w} compiled"
+    assert [p.images[0].pixels.shape[0] for _, _, p in served] == [72, 80, 96]
+    for out, expanded, prompt in served:  # the straight-line reference compiles its own programs: after
+        _same(out, _cold(llm, expanded, prompt))
+    assert_pools_free_after_flush(llm.engine)

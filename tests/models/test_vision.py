@@ -15,7 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.generate import SamplingParams, generate
+from jaxserve.config import VisionConfig
+from jaxserve.generate import generate
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.models import decoder, vision
 from jaxserve.multimodal import preprocess as pp
 from jaxserve.multimodal import prompt as mm
@@ -62,7 +64,7 @@ def _prompt(layout: list, patches: list[pp.PixelPatches], rng) -> tuple[list[int
 def setup(tmp_path_factory):
     d = tmp_path_factory.mktemp("vision")
     patches = _images()
-    np.savez(d / "images.npz", **{f"pixels_{i}": p.pixels for i, p in enumerate(patches)},
+    np.savez(d / "images.npz", **{f"pixels_{i}": pp.patch_values(p.pixels, p.levels, 2) for i, p in enumerate(patches)},
              **{f"grid_{i}": np.asarray(p.grid) for i, p in enumerate(patches)})
     rng = np.random.default_rng(3)
     prompts = {}
@@ -103,7 +105,7 @@ def test_config_and_tower_loaded(case):
 def test_tower_matches_transformers(case):
     model, rec, patches, _ = case
     for i, p in enumerate(patches):
-        embeds, deep = vision.encode_image(model.params["vision"], model.config.vision, p.pixels, p.grid)
+        embeds, deep = vision.encode_image(model.params["vision"], model.config.vision, p)
         _close(embeds, rec[f"embeds_{i}"])
         if deep.shape[0]:
             _close(deep, rec[f"deepstack_{i}"])
@@ -134,9 +136,75 @@ def test_a_different_image_changes_the_answer(case):
     """The scatter is real: the same text with another image of the same shape gives other logits."""
     model, rec, patches, prompts = case
     ids, used = prompts["one"]["ids"], [patches[u] for u in prompts["one"]["images"]]
-    other = pp.PixelPatches(used[0].pixels[::-1].copy(), used[0].grid)
+    other = used[0]._replace(pixels=used[0].pixels[::-1].copy())
     images, _ = vision.dense_images(model.params, model.config, ids, [other])
     state = decoder.init_state(model.config, 1, MAX_LEN, jnp.float32)
     logits, _ = decoder.forward(model.params, model.config, jnp.asarray([ids], jnp.int32),
                                 jnp.arange(len(ids), dtype=jnp.int32)[None], state, images=images)
     assert np.max(np.abs(np.asarray(logits[0, -1]) - rec["logits_one"][-1])) > 1e-2
+
+
+# ---------------------------------------------------------------------- bucketed tower, step tables
+
+TOWER = VisionConfig(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, temporal_patch_size=2,
+                     spatial_merge_size=2, in_channels=3, out_hidden_size=48, num_position_embeddings=16,
+                     rope_theta=10000.0, hidden_act="gelu_pytorch_tanh", image_token_id=IMAGE,
+                     vision_start_token_id=START, vision_end_token_id=END, deepstack_layers=(0,))
+
+
+@pytest.fixture(scope="module")
+def tower():
+    """A random fp32 tower (deepstack included), built through the checkpoint path's ``build_params``."""
+    rng = np.random.default_rng(11)
+    tensors = {name: rng.normal(0, 0.1, shape).astype(np.float32) for name, shape in vision.hf_shapes(TOWER).items()}
+    return vision.build_params(TOWER, tensors, jnp.asarray)
+
+
+def _patches(seed: int, h: int, w: int) -> pp.PixelPatches:
+    from PIL import Image
+
+    rgb = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    return pp.preprocess(Image.fromarray(rgb), PROC)
+
+
+def test_padding_to_a_bucket_leaves_the_real_rows_unchanged(tower):
+    """72 patches padded to 128: the soft tokens and deepstack features equal the unpadded run's."""
+    image = _patches(1, 40, 100)
+    n = image.pixels.shape[0]
+    assert (n, vision.bucket_patches(n, 2)) == (72, 128)
+    exact = vision.encode(tower, TOWER, image.pixels, image.levels, vision.tower_inputs(TOWER, image.grid))
+    padded = vision.encode_padded(tower, TOWER, image)
+    assert padded.embeds.shape[0] == 32 and padded.tokens == 18
+    np.testing.assert_allclose(padded.embeds[:18], exact[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(padded.deepstack[:, :18], exact[1], rtol=1e-5, atol=1e-5)
+    # Garbage in the padding patches changes nothing either: they are never keys of a real patch.
+    noisy = np.pad(image.pixels, ((0, 56), (0, 0)), constant_values=255)
+    inputs = vision.tower_inputs(TOWER, image.grid, 128)
+    np.testing.assert_allclose(vision.encode(tower, TOWER, noisy, image.levels, inputs)[0][:18], exact[0],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_step_table_places_each_window_and_new_sizes_compile_nothing(tower):
+    """After ``compile_buckets``, three images of new sizes inside one bucket (72, 80 and 96 patches:
+    all pad to 128) build their step tables without a single compile, and each table row is the
+    image row its placeholder names (windows crossing image boundaries, two prompts in one step)."""
+    from jaxserve.engine import startup
+
+    assert vision.patch_buckets(256, 2) == (4, 8, 16, 32, 64, 128, 256)
+    vision.compile_buckets(tower, TOWER, max_patches=256, table_rows=(32, 64))
+    images = [_patches(2, 40, 100), _patches(3, 64, 80), _patches(4, 48, 128)]
+    assert [im.pixels.shape[0] for im in images] == [72, 80, 96]
+    ids = [START, IMAGE, END, 7, START, IMAGE, END, 9]
+    first = mm.prepare(ids, images[:2], IMAGE, 2)[2]  # 18 + 20 rows
+    second = mm.prepare(ids[:4], images[2:], IMAGE, 2)[2]  # 24 rows
+    before = startup.backend_compiles()
+    windows = [(first, 10, 30), (second, 0, 24)]  # image 0 rows 10..17, image 1 rows 0..11; image 2 rows 0..23
+    embeds, deep = vision.step_image_table(tower, TOWER, windows, 64)
+    assert startup.backend_compiles() == before
+    rows = {k: vision.encode_image(tower, TOWER, im) for k, im in enumerate(images)}
+    want = np.concatenate([rows[0][0][10:], rows[1][0][:12], rows[2][0], np.zeros((20, 48), np.float32)])
+    want_deep = np.concatenate([rows[0][1][:, 10:], rows[1][1][:, :12], rows[2][1], np.zeros((1, 20, 48))], axis=1)
+    np.testing.assert_array_equal(np.asarray(embeds), want)
+    np.testing.assert_array_equal(np.asarray(deep), want_deep)
+    with pytest.raises(ValueError, match="do not fit a table of 32"):
+        vision.step_image_table(tower, TOWER, windows, 32)

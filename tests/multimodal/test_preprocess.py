@@ -2,7 +2,8 @@
 the resize clamp, the processor config and decoding's refusals.
 
 One torch subprocess: transformers' ``smart_resize`` over a few hundred (size, factor, bounds) rows,
-and its rescale + normalise + ``patchify`` of our resized images, for both normalisations the
+and its rescale + normalise + ``patchify`` of our resized images (equal to our uint8 patches looked up
+in their levels, on the device as the tower does it and on the host), for both normalisations the
 checkpoints use (CLIP's mean/std, Qwen3-VL's 0.5/0.5) and images in RGB, RGBA, L and P modes.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -81,7 +83,12 @@ def test_pixels_match_transformers(oracle):
         ref = oracle["clip" if proc.image_mean == CLIP.image_mean else "half"]
         ours = pp.preprocess(image, proc)
         assert list(ours.grid) == ref[f"grid_{i}"].tolist()
-        np.testing.assert_array_equal(ours.pixels, ref[f"pixels_{i}"])
+        assert ours.pixels.dtype == np.uint8 and ours.pixels.nbytes == 3 * ours.grid[1] * ours.grid[2] * proc.patch_size**2
+        # What the tower computes on the device from the host's uint8 patches is the processor's output.
+        on_device = jax.jit(pp.patch_values, static_argnums=2)(ours.pixels, ours.levels, proc.temporal_patch_size)
+        np.testing.assert_array_equal(np.asarray(on_device), ref[f"pixels_{i}"])
+        np.testing.assert_array_equal(pp.patch_values(ours.pixels, ours.levels, proc.temporal_patch_size),
+                                      ref[f"pixels_{i}"])
         t, h, w = ours.grid
         assert ours.num_tokens(proc.merge_size) == h * w // 4
 

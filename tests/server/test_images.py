@@ -12,9 +12,9 @@ tower, driven by the official ``openai`` client and raw httpx, one engine for th
 - A text-only model, and a vision model whose tokenizer has no image token, refuse images (400).
 - ``jaxserve generate --image`` (a subprocess) answers what the server answers.
 
-The tiny checkpoints' tokenizer has no vision special tokens (their image token id 508 is the text
-token " so"); ``with_vision_tokens`` gives the checkpoint Qwen's four special tokens at the ids its
-config names, as real Qwen3.5 / Qwen3-VL tokenizers have them.
+The tiny checkpoint's tokenizer has Qwen's four vision special tokens at the ids its config names
+(``weights/tiny.py``), as real Qwen3.5 / Qwen3-VL tokenizers have them; the plain tiny tokenizer
+(no vision tokens: id 506 is a text token) stands for a checkpoint whose tokenizer lacks them.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from PIL import Image
 from jaxserve.cli import DEFAULT_MODEL_DIR
 from jaxserve import cli
 from jaxserve.engine.llm import LLM, EngineArgs, build_engine, image_input, image_placeholder
-from jaxserve.generate import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
 from server.app import create_app
 from server.async_engine import AsyncEngine
@@ -53,31 +53,12 @@ COLD = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
 # The served engine's sizes (the CLI test passes the same, so its programs are already compiled).
 ENGINE = dict(num_pages=128, num_slots=16, max_prefill_length=64, max_running_requests=4)
 MAX_BYTES = 64 << 10  # the main server's cap on one image's bytes
-VISION_TOKENS = {IMAGE_TOKENS["vision_end_token_id"]: "<|vision_end|>",
-                 IMAGE_TOKENS["vision_start_token_id"]: "<|vision_start|>",
-                 IMAGE_TOKENS["video_token_id"]: "<|video_pad|>", IMAGE_TOKENS["image_token_id"]: "<|image_pad|>"}
 # Text before the image: with the system prompt, past the first x64 boundary, so another image still
 # hits that much (the text's share) and no more.
 TEXT = ("The quick brown fox jumps over the lazy dog. The dog sleeps in the sun, and the fox runs into the forest. "
         "A small model can learn a small language.")
 QUESTION = "What colour is the image?"
 GREEDY = dict(temperature=0, max_tokens=N, logprobs=True, extra_body={"ignore_eos": True})
-
-
-def with_vision_tokens(folder) -> None:
-    """Turn the tiny BPE's last four merges (ids 505-508, the ids the config gives the vision tokens)
-    into Qwen's vision special tokens, in tokenizer.json."""
-    path = folder / "tokenizer.json"
-    tok = json.loads(path.read_text())
-    model = tok["model"]
-    names = {v: k for k, v in model["vocab"].items()}
-    merged = {names[i] for i in VISION_TOKENS}
-    model["vocab"] = {k: v for k, v in model["vocab"].items() if v not in VISION_TOKENS}
-    model["merges"] = [m for m in model["merges"] if "".join(m if isinstance(m, list) else m.split(" ")) not in merged]
-    assert len(model["vocab"]) == min(VISION_TOKENS)  # added tokens take the next ids, in order
-    tok["added_tokens"] = [dict(id=i, content=c, single_word=False, lstrip=False, rstrip=False, normalized=False,
-                                special=True) for i, c in sorted(VISION_TOKENS.items())] + tok["added_tokens"]
-    path.write_text(json.dumps(tok))
 
 
 def _png(seed: int, size=(128, 128), solid: bool = False) -> bytes:
@@ -159,8 +140,8 @@ def vl(tmp_path_factory):
     root = tmp_path_factory.mktemp("images")
     folder = root / "qwen3_5-vl"
     run_torch("weights.tiny", "--family", "qwen3_5", "--variant", "vl", "--out", str(folder), "--seed", "5")
-    plain = Tokenizer.from_dir(folder)  # the tiny tokenizer as written: no vision tokens
-    with_vision_tokens(folder)
+    run_torch("weights.tiny_tokenizer", "--out", str(root / "plain"))
+    plain = Tokenizer.from_dir(root / "plain")  # the tiny tokenizer without vision tokens
     llm = LLM.from_args(EngineArgs(model=str(folder), dtype="float32", progress=False, **ENGINE))
     engine, images = llm.engine, llm.images
     # The offline answer to the first request, from the same engine before it serves (engine = the
@@ -373,6 +354,34 @@ def test_the_openai_client_raises_and_the_server_serves_on(vl):
     assert vl.http.get(vl.url + "/health").json() == {"status": "ok"}
     wait_idle(vl)
     assert_pools_free(vl)
+
+
+# ---------------------------------------------------------------------- completions take no images
+
+_IDS = [10, 20, 30]
+VISION_IN_PROMPT = [
+    ("image placeholder id", _IDS + [IMAGE_TOKENS["image_token_id"]] + _IDS, "Prompt token 3 (id 508) is the image "
+     "placeholder <|image_pad|>"),
+    ("vision start id", [IMAGE_TOKENS["vision_start_token_id"]] + _IDS, "Prompt token 0 (id 506) is the vision start"),
+    ("placeholder typed as text", "Look: <|vision_start|><|image_pad|><|vision_end|>", "is the vision start token "
+     "<|vision_start|>"),
+    ("batched form", [_IDS + [IMAGE_TOKENS["vision_end_token_id"]]], "(id 505) is the vision end token"),
+]
+
+
+@pytest.mark.parametrize("name, prompt, says", VISION_IN_PROMPT, ids=[v[0] for v in VISION_IN_PROMPT])
+def test_completion_with_vision_token_ids_gets_400(vl, name, prompt, says):
+    """/v1/completions carries no image: a prompt (ids or text) holding a vision special token is a
+    400 naming the token and where it is, and never reaches the engine."""
+    added = vl.aeng.metrics.value("jaxserve_prompt_tokens_total")
+    r = vl.http.post(vl.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["code"], err["param"]) == ("invalid_value", "prompt") and says in err["message"], err
+    assert "/v1/chat/completions" in err["message"]
+    assert vl.aeng.metrics.value("jaxserve_prompt_tokens_total") == added
+    ok = vl.http.post(vl.url + "/v1/completions", json={"model": MODEL, "prompt": _IDS, "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
 # ---------------------------------------------------------------------- the clamp and the CLI
