@@ -67,6 +67,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple, Protocol
 
+from jaxserve.config import SNAPSHOT_INTERVAL
+
 from .allocator import PageAllocator, SlotAllocator
 
 
@@ -108,6 +110,30 @@ class Match:
     node: Node
     pages: list[int]
     snapshot_slot: int | None
+
+
+class Probe(NamedTuple):
+    """Where ``probe`` found one sequence of ids in the tree: ``length`` is ``peek(ids)``; ``walked``
+    the deepest node the ids run through whole (the root if none); ``partial`` the child of
+    ``walked`` they then run part of the way into, if any; ``frontier`` the page of ids after
+    ``walked`` (the key the walk looked up there; None when ``walked`` ends where a hit must stop);
+    ``usable`` the node ``length`` ends at (hybrid: the deepest node at or above ``walked`` with a
+    live snapshot, or the root; plain: ``partial`` or ``walked``). Read only: the nodes are the
+    tree's own."""
+
+    length: int
+    walked: Node
+    partial: Node | None
+    frontier: tuple[int, ...] | None
+    usable: Node
+
+    def path(self) -> tuple[int, ...]:
+        """``peek_path`` of the ids as the tree is now (parent links are always current)."""
+        node, uids = self.partial or self.walked, []
+        while node.parent is not None:
+            uids.append(node.uid)
+            node = node.parent
+        return tuple(reversed(uids))
 
 
 class NodeInfo(NamedTuple):
@@ -157,7 +183,7 @@ class HybridRadixCache:
     """See the module docstring for the invariants; ``check_invariants`` verifies all of them."""
 
     def __init__(self, pages: PageAllocator, slots: SlotAllocator | None, page_size: int,
-                 snapshot_interval: int = 64, hybrid: bool = True, max_snapshots_per_path: int | None = None):
+                 snapshot_interval: int = SNAPSHOT_INTERVAL, hybrid: bool = True, max_snapshots_per_path: int | None = None):
         if page_size < 1 or snapshot_interval < 1 or snapshot_interval % page_size:
             raise ValueError(f"snapshot_interval ({snapshot_interval}) must be a positive multiple "
                              f"of page_size ({page_size})")
@@ -267,21 +293,70 @@ class HybridRadixCache:
         path, partial = self._walk(ids, self._match_limit(len(ids)))
         return tuple(n.uid for n in path) + ((partial[0].uid,) if partial else ())
 
+    def probe(self, cache_ids: Sequence[int], since: Probe | None = None) -> Probe:
+        """``peek`` and ``peek_path`` in one, cheap to repeat: for a caller that asks about the same
+        ids step after step (a scheduling policy ranking its waiting queue). Changes nothing.
+
+        ``since``: an earlier probe of the very same ids. It is returned as it is when a fresh walk
+        would end where it ended, which one dictionary lookup decides (``_probe_holds``); otherwise the
+        walk resumes at ``since.walked`` (or ``since.usable``) while that is still in the tree,
+        instead of at the root. Either way the answer is that of a fresh probe: a node in the tree
+        keeps the content of its root path for as long as it is there (see "Shape"), so ids that
+        ran through it still do, and a node that leaves the tree never comes back (``parent`` None).
+        """
+        if since is not None and self._probe_holds(since):
+            return since
+        start = self.root
+        if since is not None:  # resume from the deepest node still in the tree whose prefix these ids spell
+            resumable = (since.walked, since.usable) if self.hybrid else (since.walked,)  # plain: usable may be partial
+            start = next((n for n in resumable if n.parent is not None), self.root)
+        limit = self._match_limit(len(cache_ids))
+        path, partial = self._walk(cache_ids, limit, start)
+        walked = path[-1] if path else start
+        frontier = tuple(cache_ids[walked.end:walked.end + self.page_size]) if walked.end < limit else None
+        if self.hybrid:
+            usable = walked
+            while usable.snapshot is None and usable.parent is not None:
+                usable = usable.parent
+            length = usable.end
+        else:
+            usable = partial[0] if partial else walked
+            length = walked.end + (partial[1] if partial else 0)
+        return Probe(length, walked, partial[0] if partial else None, frontier, usable)
+
+    def _probe_holds(self, p: Probe) -> bool:
+        """A fresh walk of ``p``'s ids would give ``p``. It runs through ``p.walked`` while that is in
+        the tree, then looks up ``p.frontier`` among its children: finding ``p.partial`` again (or
+        nothing again) it ends as before, since a child keeps its key while it is its parent's child
+        (a split puts the upper part under the key, a merge puts the child there: either way another
+        node). Plain: the length follows. Hybrid: it is that of the deepest live snapshot at or
+        above ``p.walked``, looked up again (snapshots come and go without changing the walk)."""
+        walked = p.walked
+        if walked.parent is None and walked is not self.root:
+            return False
+        if p.frontier is not None and walked.children.get(p.frontier) is not p.partial:
+            return False
+        if self.hybrid:
+            while walked.snapshot is None and walked.parent is not None:
+                walked = walked.parent
+            return walked is p.usable
+        return True
+
     def _match_limit(self, n: int) -> int:
         """Tokens a hit may cover: never the last one, and only whole pages."""
         return max(0, (n - 1) // self.page_size * self.page_size)
 
-    def _walk(self, ids: tuple[int, ...], limit: int,
+    def _walk(self, ids: Sequence[int], limit: int,
               start: Node | None = None) -> tuple[list[Node], tuple[Node, int] | None]:
         """Nodes fully matched by ``ids[:limit]`` (root excluded), and the node matched only
         partly with the number of its tokens that match (whole pages), if any. ``start``: a node
         whose root path spells ``ids[:start.end]``; the walk goes on from there and returns only
-        the nodes below it."""
+        the nodes below it. ``ids`` may be a list: only the slices it compares become tuples."""
         ps, path = self.page_size, []
         node = self.root if start is None else start
         pos = node.end
         while pos < limit:
-            child = node.children.get(ids[pos:pos + ps])
+            child = node.children.get(tuple(ids[pos:pos + ps]))
             if child is None:
                 return path, None
             n = self._common(child.key, ids, pos, limit)
@@ -291,13 +366,14 @@ class HybridRadixCache:
             node, pos = child, pos + n
         return path, None
 
-    def _common(self, key: tuple[int, ...], ids: tuple[int, ...], pos: int, limit: int) -> int:
+    def _common(self, key: tuple[int, ...], ids: Sequence[int], pos: int, limit: int) -> int:
         """Tokens (whole pages) in which ``key`` agrees with ``ids[pos:limit]``."""
         ps, n = self.page_size, min(len(key), limit - pos)
-        if key[:n] == ids[pos:pos + n]:
+        seg = tuple(ids[pos:pos + n])  # a tuple's slice is one already: no second copy
+        if key[:n] == seg:
             return n
         i = 0
-        while i < n and key[i:i + ps] == ids[pos + i:pos + i + ps]:
+        while i < n and key[i:i + ps] == seg[i:i + ps]:
             i += ps
         return i
 

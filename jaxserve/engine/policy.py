@@ -36,18 +36,25 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from jaxserve.engine.request import Request
 
 if TYPE_CHECKING:
-    from jaxserve.cache.radix import Eviction
+    from jaxserve.cache.radix import Eviction, Probe
     from jaxserve.engine.scheduler import Scheduler, StepPlan
 
 
 class SchedulerView:
     """What a policy may read of the scheduler: queues (as tuples), pool headroom, limits, the
-    prefix cache through side-effect-free queries, and the scheduler's clock. Read only."""
+    prefix cache through side-effect-free queries, and the scheduler's clock. Read only.
 
-    __slots__ = ("_s",)
+    Prefix queries are memoized per request (``HybridRadixCache.probe``): asked again, a request
+    whose cached prefix nothing has touched costs O(1), and one whose prefix changed resumes its walk
+    where the last one ended, instead of matching the whole prompt from the root. The answers are
+    exactly those of a fresh ``peek`` / ``peek_path``; only a policy that ranks a long queue every
+    step notices the difference, in time."""
+
+    __slots__ = ("_s", "_probes")
 
     def __init__(self, scheduler: Scheduler):
         self._s = scheduler
+        self._probes: dict[Request, tuple[int, Probe]] = {}  # request -> (its output length then, probe)
 
     @property
     def running(self) -> tuple[Request, ...]:
@@ -82,12 +89,33 @@ class SchedulerView:
 
     def prefix_len(self, req: Request) -> int:
         """Tokens the prefix cache would serve ``req`` right now (no LRU or counter side effects)."""
-        return self._s.cache.peek(req.all_cache_ids)
+        return self._probe(req).length
 
     def prefix_path(self, req: Request) -> tuple[int, ...]:
         """Ids of the tree nodes ``req``'s ids run through, root first: requests that share a
         cached prefix share a leading run of ids (see ``HybridRadixCache.peek_path``)."""
-        return self._s.cache.peek_path(req.all_cache_ids)
+        return self._probe(req).path()
+
+    def _probe(self, req: Request) -> Probe:
+        """``req``'s probe, from its last one while its ids are the same: a request's cache ids only
+        ever grow by output tokens, so their count identifies them."""
+        n_out = len(req.output_ids)
+        memo = self._probes.get(req)
+        since = memo[1] if memo is not None and memo[0] == n_out else None
+        probe = self._s.cache.probe(req.all_cache_ids if n_out else req.cache_ids, since)
+        if probe is not since:
+            self._probes[req] = (n_out, probe)
+            if memo is None:
+                self._forget_gone()
+        return probe
+
+    def _forget_gone(self) -> None:
+        """Drop the probes of requests neither waiting nor running, once they are half the memo, so
+        it stays O(live requests) without a scan per query."""
+        live = len(self._s.waiting) + len(self._s.running)
+        if len(self._probes) > 2 * live + 64:
+            keep = {*self._s.waiting, *self._s.running}
+            self._probes = {r: m for r, m in self._probes.items() if r in keep}
 
 
 class Policy:
@@ -130,12 +158,26 @@ FCFS = Policy
 
 class LongestPrefixMatch(Policy):
     """Longest cached prefix first (SGLang's ``lpm``): admits requests whose prefix is cached while it
-    still is, which raises the hit rate under memory pressure; ties in arrival order."""
+    still is, which raises the hit rate under memory pressure; ties in arrival order.
+
+    ``fcfs_above``: while more requests than this wait, order them FCFS instead. SGLang does so above
+    128 waiting requests to bound its matching time; here the default (None) ranks every queue,
+    since ``SchedulerView.prefix_len`` is memoized and costs about one dictionary lookup per waiting
+    request and step. Set it (``LongestPrefixMatch(fcfs_above=128)``, or a subclass selected with
+    ``--policy package.module:ClassName``) to study SGLang's behaviour under long queues."""
 
     name = "lpm"
 
+    def __init__(self, fcfs_above: int | None = None):
+        if fcfs_above is not None and fcfs_above < 0:
+            raise ValueError(f"fcfs_above must be >= 0 or None, got {fcfs_above}")
+        self.fcfs_above = fcfs_above
+
     def order(self, waiting, view):
-        return sorted(waiting, key=lambda r: (-view.prefix_len(r), r.arrival))
+        fcfs = super().order(waiting, view)
+        if self.fcfs_above is not None and len(waiting) > self.fcfs_above:
+            return fcfs
+        return sorted(fcfs, key=lambda r: -view.prefix_len(r))  # stable: ties stay in arrival order
 
 
 class DFSWeight(Policy):
@@ -147,30 +189,41 @@ class DFSWeight(Policy):
     name = "dfs-weight"
 
     def order(self, waiting, view):
-        children: dict[tuple[int, ...], dict[int, tuple[int, ...]]] = defaultdict(dict)
-        at: dict[tuple[int, ...], list[Request]] = defaultdict(list)
-        weight: dict[tuple[int, ...], int] = defaultdict(int)
-        first: dict[tuple[int, ...], int] = {}
-        for req in sorted(waiting, key=lambda r: r.arrival):
-            path = view.prefix_path(req)
-            at[path].append(req)
-            for depth in range(len(path) + 1):
-                node = path[:depth]
-                weight[node] += 1
-                first.setdefault(node, req.arrival)
-                if depth < len(path):
-                    children[node][path[depth]] = path[:depth + 1]
+        root = _Subtree(0)
+        for req in sorted(waiting, key=lambda r: r.arrival):  # so a subtree's first request comes first
+            node = root
+            node.weight += 1
+            for uid in view.prefix_path(req):
+                kid = node.kids.get(uid)
+                if kid is None:
+                    kid = node.kids[uid] = _Subtree(req.arrival)
+                kid.weight += 1
+                node = kid
+            node.own.append(req)
         out: list[Request] = []
-        stack: list[tuple[tuple[int, ...], bool]] = [((), False)]
+        stack: list[tuple[_Subtree, bool]] = [(root, False)]
         while stack:  # iterative post-order: children (heaviest first), then the node's own requests
             node, expanded = stack.pop()
             if expanded:
-                out.extend(at[node])
+                out.extend(node.own)
                 continue
             stack.append((node, True))
-            kids = sorted(children[node].values(), key=lambda c: (-weight[c], first[c]))
-            stack.extend((c, False) for c in reversed(kids))
+            kids = sorted(node.kids.values(), key=lambda k: (-k.weight, k.first))
+            stack.extend((k, False) for k in reversed(kids))
         return out
+
+
+class _Subtree:
+    """A node of the trie of waiting requests' prefix paths: ``weight`` requests at or below it,
+    the first of them arrived at ``first``, ``own`` those whose path ends here."""
+
+    __slots__ = ("kids", "own", "weight", "first")
+
+    def __init__(self, first: int):
+        self.kids: dict[int, _Subtree] = {}
+        self.own: list[Request] = []
+        self.weight = 0
+        self.first = first
 
 
 class PriorityClasses(Policy):
@@ -214,7 +267,7 @@ class ShortestPredictedJobFirst(Policy):
         budget = view.max_prefill_tokens
 
         def work(r: Request) -> float:
-            uncached = len(r.all_cache_ids) - view.prefix_len(r)
+            uncached = len(r.cache_ids) + len(r.output_ids) - view.prefix_len(r)
             return max(0.0, self.predictor(r) - len(r.output_ids)) + uncached / budget
 
         return sorted(waiting, key=lambda r: (work(r), r.arrival))

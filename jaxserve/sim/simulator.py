@@ -23,6 +23,7 @@ from typing import Any, Sequence
 
 from jaxserve.cache.allocator import PageAllocator, SlotAllocator
 from jaxserve.cache.radix import HybridRadixCache
+from jaxserve.config import SNAPSHOT_INTERVAL
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.policy import Policy, make_policy
 from jaxserve.engine.scheduler import Scheduler, StepPlan
@@ -42,7 +43,7 @@ class SimConfig:
     max_running: int = 64
     max_model_len: int = 32768
     hybrid: bool = True
-    snapshot_interval: int = 64
+    snapshot_interval: int = SNAPSHOT_INTERVAL
     max_snapshots_per_path: int | None = None
     overlap: bool = True
 

@@ -10,18 +10,22 @@ from __future__ import annotations
 import random
 import sys
 import types
+from collections import defaultdict
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import precondition, rule
 
 from jaxserve.cache.allocator import PageAllocator, SlotAllocator
 from jaxserve.cache.radix import HybridRadixCache
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.policy import (POLICIES, DFSWeight, FairShare, Policy, PriorityClasses,
-                                    ShortestPredictedJobFirst, make_policy)
+from jaxserve.engine.policy import (POLICIES, DFSWeight, FairShare, LongestPrefixMatch, Policy, PriorityClasses,
+                                    SchedulerView, ShortestPredictedJobFirst, make_policy)
+from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import Scheduler
-from jaxserve.generate import SamplingParams
+from jaxserve.sampling_params import SamplingParams
+from tests.cache.reference_model import make_machine
 from tests.engine.checks import assert_pools_free_after_flush, drive
 from tests.engine.fake_device import FakeExecutor, reference_continuation
 
@@ -354,3 +358,152 @@ def test_any_legal_policy_keeps_hit_equal_cold_and_leaks_nothing(seed):
     assert {rid: o.output_ids for rid, o in outs.items()} == expected
     assert engine.snapshot_checksum_mismatches == 0
     assert_pools_free_after_flush(engine)
+
+
+# ---------------------------------------------------------------- memoized prefix queries rank as fresh ones
+
+
+def reference_lpm(waiting, cache):
+    """LPM ranked with a fresh ``peek`` of every request (no memo)."""
+    return sorted(waiting, key=lambda r: (-cache.peek(r.all_cache_ids), r.arrival))
+
+
+def reference_spjf(waiting, cache, budget):
+    def work(r):
+        return max(0.0, r.sampling.max_tokens - len(r.output_ids)) + (len(r.all_cache_ids) - cache.peek(r.all_cache_ids)) / budget
+
+    return sorted(waiting, key=lambda r: (work(r), r.arrival))
+
+
+def reference_dfs_weight(waiting, cache):
+    """DFS-weight written out plainly over fresh ``peek_path`` tuples: trie nodes are path prefixes."""
+    children, at, weight, first = defaultdict(dict), defaultdict(list), defaultdict(int), {}
+    for req in sorted(waiting, key=lambda r: r.arrival):
+        path = cache.peek_path(req.all_cache_ids)
+        at[path].append(req)
+        for depth in range(len(path) + 1):
+            weight[path[:depth]] += 1
+            first.setdefault(path[:depth], req.arrival)
+            if depth < len(path):
+                children[path[:depth]][path[depth]] = path[:depth + 1]
+
+    def emit(node):
+        for kid in sorted(children[node].values(), key=lambda c: (-weight[c], first[c])):
+            yield from emit(kid)
+        yield from at[node]
+
+    return list(emit(()))
+
+
+def ranking_machine(**harness_kwargs):
+    """The radix cache's state machine (tests/cache/reference_model.py: admit, donate, finish, query,
+    both evictions and flush, each checked against a reference model) plus a queue of waiting
+    requests that arrive, leave and grow output (a preempted request), and a rule that ranks the
+    queue with one long-lived ``SchedulerView``. Its memoized probes must answer as fresh ``peek`` /
+    ``peek_path`` calls, and LPM, DFS-weight and SPJF must give the orders the fresh answers give,
+    however the tree changed since a request was last probed (splits, merges, tombstones, removals)."""
+
+    class RankingMachine(make_machine(**harness_kwargs)):
+        def __init__(self):
+            super().__init__()
+            self.queue: list[Request] = []
+            self.view = SchedulerView(types.SimpleNamespace(cache=self.h.tree, waiting=self.queue, running=()))
+
+        @rule(data=st.data())
+        def arrive(self, data):
+            req = Request(f"w{len(self.queue)}", list(self._ids(data)), sp(data.draw(st.integers(1, 9), label="max_tokens")))
+            self.queue.append(req)
+
+        @precondition(lambda self: self.queue)
+        @rule(data=st.data())
+        def leave_or_grow(self, data):
+            req = data.draw(st.sampled_from(self.queue), label="request")
+            if data.draw(st.booleans(), label="leave"):
+                self.queue.remove(req)
+            else:
+                req.output_ids.append(data.draw(st.integers(0, 1), label="token"))
+
+        @precondition(lambda self: self.queue)
+        @rule()
+        def rank(self):
+            tree, queue, view = self.h.tree, self.queue, self.view
+            assert LongestPrefixMatch().order(queue, view) == reference_lpm(queue, tree)
+            assert DFSWeight().order(queue, view) == reference_dfs_weight(queue, tree)
+            budget = 7
+            view_with_budget = types.SimpleNamespace(max_prefill_tokens=budget, prefix_len=view.prefix_len)
+            assert ShortestPredictedJobFirst().order(queue, view_with_budget) == reference_spjf(queue, tree, budget)
+            for req in queue:
+                assert view.prefix_len(req) == tree.peek(req.all_cache_ids)
+                assert view.prefix_path(req) == tree.peek_path(req.all_cache_ids)
+
+    return RankingMachine
+
+
+_ranking_settings = settings(max_examples=40, stateful_step_count=40, deadline=None,
+                             suppress_health_check=[HealthCheck.too_slow])
+TestRankingHybrid = ranking_machine(num_pages=40, num_slots=14).TestCase
+TestRankingHybrid.settings = _ranking_settings
+TestRankingPlain = ranking_machine(num_pages=40, hybrid=False).TestCase
+TestRankingPlain.settings = _ranking_settings
+TestRankingBounded = ranking_machine(num_pages=40, num_slots=14, max_per_path=2).TestCase
+TestRankingBounded.settings = _ranking_settings
+
+
+def test_the_view_forgets_requests_that_left():
+    """The memo holds probes of live (waiting or running) requests only, once the gone ones pile up."""
+    pages, slots = PageAllocator(64), SlotAllocator(8)
+    cache = HybridRadixCache(pages, slots, 16)
+    waiting = []
+    view = SchedulerView(types.SimpleNamespace(cache=cache, waiting=waiting, running=()))
+    rng = random.Random(12)
+    for i in range(300):
+        waiting.append(Request(f"r{i}", ids(rng, 40), sp(1)))
+        view.prefix_len(waiting[-1])
+        if len(waiting) > 5:
+            waiting.pop(0)
+    assert len(view._probes) <= 2 * len(waiting) + 65
+    assert set(waiting) <= set(view._probes)
+
+
+def test_lpm_falls_back_to_fcfs_above_its_threshold():
+    """``fcfs_above`` (SGLang's 128): arrival order while the queue is longer, LPM up to it."""
+    rng = random.Random(13)
+    engine = engine_with(LongestPrefixMatch())
+    cached = ids(rng, 130)
+    engine.generate([cached], sp(1))
+    waiting = [Request(f"r{i}", ids(rng, 40) if i < 3 else cached + ids(rng, 5), sp(1)) for i in range(4)]
+    view = engine.scheduler.view
+    lpm_order = [waiting[3]] + waiting[:3]
+    assert LongestPrefixMatch().order(waiting, view) == lpm_order
+    assert LongestPrefixMatch(fcfs_above=4).order(waiting, view) == lpm_order
+    assert LongestPrefixMatch(fcfs_above=3).order(waiting, view) == waiting
+    with pytest.raises(ValueError, match="fcfs_above"):
+        LongestPrefixMatch(fcfs_above=-1)
+
+
+def test_a_memoized_prefix_follows_its_snapshot_going_and_coming_back():
+    """Hybrid: a waiting request's walk ends at a branch point; its snapshot is evicted (a tombstone:
+    the walk is unchanged, the hit is gone), then donated again (the hit is back)."""
+    pages, slots = PageAllocator(64), SlotAllocator(8)
+    cache = HybridRadixCache(pages, slots, 16)
+    cache.eviction = types.SimpleNamespace(kv_key=lambda n: n.end, snapshot_key=lambda n: n.end)  # shallowest first
+    view = SchedulerView(types.SimpleNamespace(cache=cache, waiting=[], running=()))
+    rng = random.Random(14)
+    base, tails = ids(rng, 64), [ids(rng, 64) for _ in range(2)]
+
+    def donate(key, boundaries):
+        got = pages.alloc(len(key) // 16)
+        cache.insert(key, got, {b: slots.alloc() for b in boundaries})
+        pages.decref(got)
+
+    for tail in tails:
+        donate(base + tail, (64, 128))
+    req = Request("r", base + ids(rng, 30), sp(1))
+    assert view.prefix_len(req) == 64
+    path = view.prefix_path(req)
+    assert cache.evict_snapshots(1) == 1
+    assert view.prefix_len(req) == cache.peek(req.all_cache_ids) == 0
+    assert view.prefix_path(req) == cache.peek_path(req.all_cache_ids) == path  # the walk is the same
+    donate(base, (64,))
+    assert view.prefix_len(req) == cache.peek(req.all_cache_ids) == 64
+    cache.check_invariants()

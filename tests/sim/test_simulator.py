@@ -4,9 +4,12 @@ show their defining behaviour on whole traces."""
 
 from __future__ import annotations
 
+import dataclasses
+import types
+
 import pytest
 
-from jaxserve.engine.policy import Policy
+from jaxserve.engine.policy import POLICIES, Policy
 from jaxserve.sim import workload
 from jaxserve.sim.cost import FEATURES, CostModel
 from jaxserve.sim.report import SLO, per_tenant, summarize
@@ -134,3 +137,33 @@ def test_invariant_check_runs_every_n_steps(every, monkeypatch):
     loop_steps = len(res.pressure.t)  # one pressure sample per step of the engine loop
     assert len(calls) == (loop_steps // every if every else 0) and (every == 0 or calls)
     assert [(r.first_token, r.finish) for r in res.requests] == [(r.first_token, r.finish) for r in base.requests]
+
+
+class FreshPrefixQueries:
+    """A built-in policy whose view answers every prefix query with a fresh walk of the cache (the
+    reference for the memoized ``SchedulerView``)."""
+
+    def order(self, waiting, view):
+        cache = view._s.cache  # the scheduler's own cache: a test may look past the view
+        fresh = types.SimpleNamespace(max_prefill_tokens=view.max_prefill_tokens,
+                                      prefix_len=lambda r: cache.peek(r.all_cache_ids),
+                                      prefix_path=lambda r: cache.peek_path(r.all_cache_ids))
+        return super().order(waiting, fresh)
+
+
+@pytest.mark.parametrize("name", ["lpm", "dfs-weight", "spjf"])
+@pytest.mark.parametrize("hybrid", [True, False])
+def test_memoized_prefix_queries_give_the_same_schedule(name, hybrid):
+    """Multi-turn sessions and shared prompts on scarce pages and slots (evictions, tombstones,
+    preemptions): every request's timeline is the one fresh prefix queries give."""
+    recs = (workload.agent_sessions(sessions=8, turns=4, rate=4.0, system_len=256, first_len=128, tool_len=64,
+                                    output_len=24, seed=3)
+            + workload.shared_prompts(80, rate=40.0, groups=5, group_len=192, input_len=40, output_len=16, seed=4))
+    config = SimConfig(**{**SMALL.__dict__, "num_pages": 64, "num_slots": 10, "hybrid": hybrid})
+    built_in = POLICIES[name]
+    reference = type(f"Fresh{built_in.__name__}", (FreshPrefixQueries, built_in), {})()
+    m = cost(const=0.005, tokens=1e-5)
+    got, want = simulate(recs, name, m, config), simulate(recs, reference, m, config)
+    assert want.preemptions > 0 and want.cache["snapshots_evicted" if hybrid else "kv_pages_freed"] > 0
+    assert [dataclasses.astuple(r) for r in got.requests] == [dataclasses.astuple(r) for r in want.requests]
+    assert (got.steps, got.cache) == (want.steps, want.cache)
