@@ -9,6 +9,7 @@
                       [--temperature T] [--top-p P] [--top-k K] [--seed S] [--stop S] [--dtype float32|bfloat16]
                       [--chat] [--image FILE ...] [--image-max-pixels N] [--ignore-eos] [--json]
                       [engine flags: --page-size, --max-prefill-length, ...]
+                      [several hosts: --coordinator-address HOST:PORT --num-processes N --process-id I]
     jaxserve probe --url URL [--reference-url URL2] [--n 500] [--concurrency 8] [--abort-fraction 0.3]
                    [--seed S] [--needle-tokens MIN MAX] [--json] [--api-key K] [--model NAME]
 
@@ -22,14 +23,21 @@ memory from the largest compiled step, compiles every step program the server ca
 bar; JAX's persistent cache makes a second start load them), sends one warm-up request, and only
 then listens, so a 200 from ``/health`` means no request waits for a compile (``/metrics``: ``jaxserve_compiles_after_ready_total`` stays 0). Every user error (bad
 folder, bad flag value, prompt too long) goes to stderr as one line and exits with code 2.
+
+``generate`` over several processes (hosts): every process runs the same command with its own
+``--process-id`` (jaxserve/parallel/distributed.py says how they stay in step); process 0 prints
+the results, the others print only errors. ``serve`` refuses these flags.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import os
 import sys
+import traceback
 from pathlib import Path
 
 from jaxserve.sampling_params import SamplingParams
@@ -109,6 +117,21 @@ def _generate(args: argparse.Namespace) -> list[dict]:
              "prompt_tokens": len(o.prompt_token_ids), "cached_tokens": o.cached_tokens} for o in outs]
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """Send what native code writes to stdout (gloo's connection lines over several processes) to
+    stderr while the engine runs, so stdout holds only ``generate``'s results."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def _read_image_file(path: str) -> tuple[str, bytes]:
     try:
         return path, Path(path).read_bytes()
@@ -155,7 +178,8 @@ def _engine_args(args: argparse.Namespace, progress: bool):
         compile_all=args.command == "serve", compile_workers=args.compile_workers,
         compile_cache=False if args.no_compile_cache else (args.compile_cache or True),
         image_max_pixels=args.image_max_pixels, tensor_parallel_size=args.tensor_parallel_size,
-        expert_parallel=args.expert_parallel, progress=progress,
+        expert_parallel=args.expert_parallel, progress=progress, coordinator_address=args.coordinator_address,
+        num_processes=args.num_processes, process_id=args.process_id,
         **({"max_model_len": args.max_model_len, "debug_snapshot_checksums": args.debug_snapshot_checksums}
            if args.command == "serve" else {}))
 
@@ -176,6 +200,13 @@ def _serve(args: argparse.Namespace) -> int:
         raise UsageError(f"the server needs the 'server' extra (pip install -e '.[server]'): {e}") from None
     if not 0 < args.port < 65536:
         raise UsageError(f"--port must be in 1..65535, got {args.port}")
+    from jaxserve.parallel.distributed import ENV, DistributedSpec
+
+    if DistributedSpec.resolve(args.coordinator_address, args.num_processes, args.process_id) is not None:
+        raise UsageError(f"serve runs in one process: --coordinator-address / --num-processes / --process-id (or "
+                         f"{', '.join(ENV.values())}) work with generate only, since serving over several processes "
+                         f"needs each step's batch broadcast from process 0, which is not built yet; run one server "
+                         f"per host behind the router instead (README, \"Multiple GPUs\")")
     try:
         limits = HTTPLimits(timeout_keep_alive=args.timeout_keep_alive, request_read_timeout=args.request_read_timeout,
                             limit_concurrency=args.limit_concurrency)
@@ -294,10 +325,19 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-workers", type=int, default=d["compile_workers"], metavar="N",
                    help="serve: step programs compiled at once at start-up (default: %(default)s)")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=d["tensor_parallel_size"], metavar="N",
-                   help="split the model over N local devices: heads, MLP and expert intermediates, KV pages and "
-                        "linear-state slots by head (the jnp backends run; default: %(default)s)")
+                   help="split the model over N devices (over several processes: all of every process's): "
+                        "heads, MLP and expert intermediates, KV pages and linear-state slots by head (the jnp "
+                        "backends run; default: %(default)s)")
     p.add_argument("--expert-parallel", action="store_true",
                    help="with --tensor-parallel-size: split routed experts by expert id instead of by intermediate")
+    hosts = "several processes (hosts) as one runtime, generate only; all three or none"
+    p.add_argument("--coordinator-address", default=d["coordinator_address"], metavar="HOST:PORT",
+                   help=f"{hosts}: process 0's address, reachable from every process (default: "
+                        f"$JAXSERVE_COORDINATOR_ADDRESS); --tensor-parallel-size then counts every process's devices")
+    p.add_argument("--num-processes", type=int, default=d["num_processes"], metavar="N",
+                   help=f"{hosts}: processes in all (default: $JAXSERVE_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, default=d["process_id"], metavar="I",
+                   help=f"{hosts}: this process, 0..N-1; 0 prints the results (default: $JAXSERVE_PROCESS_ID)")
     from jaxserve.multimodal.preprocess import DEFAULT_MAX_PIXELS, MAX_PIXELS_ENV
 
     p.add_argument("--image-max-pixels", type=int, default=d["image_max_pixels"], metavar="N",
@@ -469,14 +509,43 @@ def main(argv: list[str] | None = None) -> int:
 
             return bench.main(args)
         if args.command == "generate":
-            for out in _generate(args):
-                print(json.dumps(out) if args.json else out["text"])
-            return 0
-    except (UsageError, ValueError, FileNotFoundError) as e:
-        # ConfigError, CheckpointError and SamplingParams' checks are ValueErrors.
-        print(f"jaxserve: error: {e}", file=sys.stderr)
-        return 2
+            return _generate_and_print(args)
+    except USER_ERRORS as e:
+        return _user_error(e)
     return 1
+
+
+# ConfigError, CheckpointError and SamplingParams' checks are ValueErrors.
+USER_ERRORS = (UsageError, ValueError, FileNotFoundError)
+
+
+def _user_error(e: Exception) -> int:
+    print(f"jaxserve: error: {e}", file=sys.stderr)
+    return 2
+
+
+def _generate_and_print(args: argparse.Namespace) -> int:
+    """``generate``: over several processes every one runs it and process 0 prints the results.
+    A process that fails there leaves at once (``distributed.leave_now``) instead of returning: the
+    others would wait for it in their next collective, and it for them in JAX's shutdown barrier."""
+    from jaxserve.parallel import distributed
+
+    try:
+        with _stdout_to_stderr():
+            outs = _generate(args)
+    except Exception as e:
+        if not distributed.is_initialized():
+            raise
+        if isinstance(e, USER_ERRORS):
+            code = _user_error(e)
+        else:
+            traceback.print_exc()
+            code = 1
+        distributed.leave_now(code)
+    if distributed.is_main_process():
+        for out in outs:
+            print(json.dumps(out) if args.json else out["text"])
+    return 0
 
 
 if __name__ == "__main__":

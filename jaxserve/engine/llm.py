@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+import jax
 import jax.numpy as jnp
 
 from jaxserve.cache.allocator import PageAllocator, SlotAllocator
@@ -30,7 +31,7 @@ from jaxserve.cache.radix import HybridRadixCache
 from jaxserve.engine.engine import Engine, RequestOutput
 from jaxserve.engine.policy import make_policy
 from jaxserve.engine import startup
-from jaxserve.engine.pools import device_budget, init_pools
+from jaxserve.engine.pools import MiB, device_budget, init_pools
 from jaxserve.engine.runner import Buckets, DeviceExecutor, Placement, warmup
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.sampling_params import SamplingParams
@@ -41,6 +42,7 @@ from jaxserve.models.vision import compile_buckets
 from jaxserve.multimodal.preprocess import (MAX_PIXELS_ENV, ImageProcessing, PixelPatches, decode, default_max_pixels,
                                             preprocess)
 from jaxserve.multimodal.prompt import prepare
+from jaxserve.parallel import distributed
 from jaxserve.parallel.tensor import TensorParallel
 from jaxserve.tokenizer import Tokenizer
 from weights.loader import load_model
@@ -80,6 +82,31 @@ class EngineArgs:
     # device, no mesh. expert_parallel: split routed experts by expert id instead of by intermediate.
     tensor_parallel_size: int = 1
     expert_parallel: bool = False
+    # Several processes (hosts) as one runtime, offline generation only (jaxserve/parallel/distributed.py):
+    # all three, or none for the JAXSERVE_* variables or one process. tensor_parallel_size then
+    # counts every process's devices.
+    coordinator_address: str | None = None  # HOST:PORT of process 0
+    num_processes: int | None = None
+    process_id: int | None = None
+
+
+# Fields that may differ between the processes of one runtime (paths, this process's role, output);
+# every other field must be the same in each (``join_processes``).
+PER_PROCESS_FIELDS = ("model", "compile_cache", "compile_workers", "progress", "coordinator_address", "process_id")
+
+
+def join_processes(args: EngineArgs) -> EngineArgs:
+    """Join the runtime of several processes ``args`` (or the ``JAXSERVE_*`` variables) name, before
+    anything touches a device, and check that every process got the same engine arguments. Returns
+    ``args`` with progress output off outside process 0 (its errors still reach stderr); ``args``
+    itself in a single process. Idempotent."""
+    spec = distributed.DistributedSpec.resolve(args.coordinator_address, args.num_processes, args.process_id)
+    if spec is None:
+        return args
+    distributed.initialize(spec)
+    shared = {k: v for k, v in dataclasses.asdict(args).items() if k not in PER_PROCESS_FIELDS}
+    distributed.require_same("engine arguments", repr(sorted(shared.items())))
+    return dataclasses.replace(args, progress=args.progress and distributed.is_main_process())
 
 
 def _log(args: EngineArgs, msg: str) -> None:
@@ -92,11 +119,18 @@ def _budget(args: EngineArgs, param_bytes: int) -> tuple[int | None, str | None]
 
     A device that reports its memory gets ``mem_fraction`` of it, measured against (also with
     explicit pool sizes: they must fit beside the step). A CPU reports none: explicit sizes are
-    taken as they are, otherwise the pools get ``CPU_BUDGET_BYTES``; nothing is reserved there."""
+    taken as they are, otherwise the pools get ``CPU_BUDGET_BYTES``; nothing is reserved there.
+
+    Over several processes the measured budget is the smallest of any process's (in whole MiB), so
+    every process plans the same pools and prefill buckets from it (``distributed``'s docstring)."""
     try:
-        return device_budget(args.mem_fraction), None
+        budget = device_budget(args.mem_fraction)
     except ValueError:
         pass
+    else:
+        if jax.process_count() > 1:
+            budget = distributed.min_over_processes([budget // MiB])[0] * MiB
+        return budget, None
     if args.num_pages is not None and args.num_slots is not None:
         return None, "explicit pool sizes on a device that reports no memory"
     return CPU_BUDGET_BYTES + param_bytes, f"the device reports no memory; pools get {CPU_BUDGET_BYTES >> 20} MiB"
@@ -142,10 +176,11 @@ def _compile_all(args: EngineArgs, compiler: startup.StepCompiler, params, plan,
 
 def _tensor_parallel(args: EngineArgs) -> TensorParallel | None:
     """The mesh ``args`` ask for (None: one device), its shape checks run on config.json before any
-    weight is read, so a size that does not divide the heads fails at once."""
-    if args.tensor_parallel_size == 1 and not args.expert_parallel:
+    weight is read, so a size that does not divide the heads fails at once. Over several processes
+    there is always a mesh, over every process's devices (``TensorParallel.make``)."""
+    if args.tensor_parallel_size == 1 and not args.expert_parallel and jax.process_count() == 1:
         return None
-    if args.tensor_parallel_size < 2:
+    if args.expert_parallel and args.tensor_parallel_size < 2:
         raise ValueError("expert_parallel splits experts over the tensor-parallel devices: "
                          "give tensor_parallel_size > 1")
     tp = TensorParallel.make(args.tensor_parallel_size, args.expert_parallel)
@@ -155,7 +190,9 @@ def _tensor_parallel(args: EngineArgs) -> TensorParallel | None:
 
 def build_engine(args: EngineArgs) -> Engine:
     """Load the checkpoint, plan memory (measuring the largest step where the device reports its
-    memory), allocate pools, compile every step program if ``compile_all``, and wire the engine."""
+    memory), allocate pools, compile every step program if ``compile_all``, and wire the engine.
+    Joins the runtime of several processes first when ``args`` name one (``join_processes``)."""
+    args = join_processes(args)
     backends.validate(args.kernels)
     tp = _tensor_parallel(args)
     cache_dir = startup.enable_compile_cache(args.compile_cache)
@@ -187,6 +224,7 @@ def build_engine(args: EngineArgs) -> Engine:
         measure=None if unmeasured else lambda program, plan: compiler.compile(
             program, startup.pool_structs(cfg, dtype, plan)))
     plan, buckets = memory.pools, memory.buckets
+    distributed.require_same("memory plan (pool sizes and prefill buckets)", repr((plan, buckets)))
     _log(args, f"{cfg.model_type} ({cfg.num_layers} layers), {args.dtype}{f', {tp.describe()}' if tp else ''}, "
                f"{plan.describe()}{' per device' if tp else ''}; {memory.note}"
                f"{f' ({unmeasured})' if unmeasured else ''}; max prefill {buckets.tokens[-1]} tokens per step, "
@@ -223,6 +261,7 @@ class LLM:
         return llm
 
     def _init(self, args: EngineArgs) -> None:
+        args = join_processes(args)
         self.engine = build_engine(args)
         self.images = image_input(args, self.engine)  # None: the model takes no images
 
@@ -231,8 +270,13 @@ class LLM:
                  stop: Sequence[str] = (), images: Sequence[Sequence] | None = None) -> list[RequestOutput]:
         """``images[i]``: prompt i's images (Pillow images, encoded PNG / JPEG / WebP bytes, or
         ``self.images.load``'s output), one per image placeholder token in the prompt (``<|image_pad|>``,
-        as the chat template writes it: ``self.images.placeholder``)."""
+        as the chat template writes it: ``self.images.placeholder``).
+
+        Over several processes every process must call this with the same arguments (checked:
+        ``distributed.require_same``); each gets the same outputs."""
         if not images or not any(images):
+            distributed.require_same("prompts, sampling parameters and stop strings",
+                                     repr((list(prompts), sampling_params, list(stop))))
             return self.engine.generate(prompts, sampling_params, stop)
         if self.images is None:
             raise ValueError("this model has no vision tower; it takes no images")
@@ -245,6 +289,8 @@ class LLM:
             ids.append(expanded)
             keys.append(cache_ids)
             image_prompts.append(image_prompt if imgs else None)
+        distributed.require_same("prompts, images, sampling parameters and stop strings",  # cache ids key the images
+                                 repr((ids, keys, sampling_params, list(stop))))
         return self.engine.generate(ids, sampling_params, stop, cache_ids=keys, images=image_prompts)
 
 

@@ -174,9 +174,11 @@ def allocate(shapes: Pools, shardings: Pools | None = None) -> Pools:
 
 
 def device_budget(mem_fraction: float, device: jax.Device | None = None) -> int:
-    """``mem_fraction`` of the device's memory, for ``plan_pools(mem_bytes=...)``. Raises on a
-    device that does not report its memory (the CPU): give an explicit budget there."""
-    device = device or jax.devices()[0]
+    """``mem_fraction`` of the device's memory, for ``plan_pools(mem_bytes=...)``; by default this
+    process's first device (over several processes ``jax.devices()[0]`` is process 0's, which no
+    other process can ask). Raises on a device that does not report its memory (the CPU): give an
+    explicit budget there."""
+    device = device or jax.local_devices()[0]
     stats = device.memory_stats() or {}
     if "bytes_limit" not in stats:
         raise ValueError(f"{device} does not report its memory; pass an explicit budget in bytes")

@@ -13,17 +13,38 @@ every process).
 Call before anything touches a device: JAX fixes its backends at first use, and a process that
 started them without the coordinator sees only its own devices.
 
-Scope: the model's step (``engine.runner.step`` under a ``TensorParallel`` placement) runs split
-over processes (tests/parallel/test_multihost.py). The engine does not yet: the first thing that
-fails is its memory budget, which asks ``jax.devices()[0]`` (another process's device outside
-process 0) for its memory; and ``serve`` would need process 0 to broadcast each step's batch so
-that every process runs the same steps. Until then the CLI has no multi-process flags.
+Scope: offline generation (``jaxserve generate``, ``LLM.generate``) runs over processes, the model
+split over every process's devices (tests/parallel/test_multihost.py). No step's batch crosses
+between processes: every process runs the same host scheduler on the same requests, and that
+scheduler is deterministic (arrival counters, the radix tree's logical clock, no wall-clock time in
+a built-in policy, seeded sampling inside the step; the overlapped loop plans step N+1 before
+reading step N whatever the timing), so every process issues the same steps in the same order and
+reads the same replicated tokens back. What could make them differ is agreed on or checked in
+``engine.llm``: the memory budget is the minimum over processes (``min_over_processes``), so the
+pool sizes and prefill buckets are the same everywhere (the resulting plan is checked too), and the
+engine arguments and each ``LLM.generate`` call's requests must hash the same in every process
+(``require_same``): a process started with other flags or prompts fails at once, in every process,
+instead of hanging in a collective. A plug-in policy that reads the scheduler's clock breaks this.
+The persistent compile cache may be one directory shared by the processes: JAX writes it from
+process 0 only.
+
+An error only one process meets (a missing file, a failed step) leaves the others waiting in their
+next collective: ``jaxserve generate`` then ends that process with ``leave_now``, and the others
+fail at that collective or are ended by JAX's coordination service. A program of its own using
+``LLM`` over processes should do the same.
+
+``serve`` does not run over processes: requests reach one process at their own times, so process
+0 would have to broadcast each step's batch; the CLI refuses the flags there (run one server per
+host behind the router).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
+import sys
+from typing import NoReturn, Sequence
 
 ENV = {"coordinator": "JAXSERVE_COORDINATOR_ADDRESS", "num_processes": "JAXSERVE_NUM_PROCESSES",
        "process_id": "JAXSERVE_PROCESS_ID"}
@@ -67,9 +88,78 @@ class DistributedSpec:
 
 def initialize(spec: DistributedSpec) -> None:
     """Join the runtime (blocks until every process has joined). On a CPU-only JAX, cross-process
-    collectives go through gloo."""
+    collectives go through gloo. A process that has joined already (its program called this, or
+    ``jax.distributed.initialize``, first) stays in its runtime, which must match ``spec``."""
     import jax
 
+    if jax.distributed.is_initialized():
+        if (jax.process_count(), jax.process_index()) != (spec.num_processes, spec.process_id):
+            raise ValueError(f"this process already joined a runtime as process {jax.process_index()} of "
+                             f"{jax.process_count()}, not {spec.process_id} of {spec.num_processes}")
+        return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # read only by the CPU backend
     jax.distributed.initialize(coordinator_address=spec.coordinator, num_processes=spec.num_processes,
                                process_id=spec.process_id)
+
+
+def leave_now(code: int) -> NoReturn:
+    """End this process at once with exit status ``code``, after an error that the other processes
+    did not meet. A normal exit would wait in ``jax.distributed``'s shutdown barrier for processes
+    that themselves wait for this one in a collective; ending without it lets JAX's coordination
+    service see the process gone and end the others (within its heartbeat timeout at worst)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def is_initialized() -> bool:
+    """Whether this process has joined a runtime of several processes (``initialize``)."""
+    import jax
+
+    return jax.distributed.is_initialized()
+
+
+def is_main_process() -> bool:
+    """Process 0, the one that prints and writes results (True in a single process)."""
+    import jax
+
+    return jax.process_index() == 0
+
+
+def _gather(values: Sequence[int]):
+    """[num_processes, len(values)] int32: every process's ``values`` (a collective: every process
+    must call it at the same point of the program)."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(np.asarray(values, np.int32)))
+
+
+def min_over_processes(values: Sequence[int]) -> list[int]:
+    """Element-wise minimum of ``values`` (each in int32's range) over every process; ``values``
+    itself in a single process."""
+    import jax
+
+    if jax.process_count() == 1:
+        return [int(v) for v in values]
+    return _gather(values).min(axis=0).tolist()
+
+
+def digest(text: str) -> int:
+    """A 31-bit digest of ``text``, for ``require_same``."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=4).digest(), "little") >> 1
+
+
+def require_same(what: str, text: str) -> None:
+    """Raise ``ValueError`` naming the processes whose ``text`` differs from process 0's (compared
+    by ``digest``). A no-op in a single process. A collective: every process calls it at the same
+    point."""
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    got = _gather([digest(text)])[:, 0]
+    differ = [i for i, d in enumerate(got.tolist()) if d != got[0]]
+    if differ:
+        raise ValueError(f"every process must be given the same {what}; process(es) {differ} differ from "
+                         f"process 0")

@@ -71,6 +71,9 @@ class TensorParallel:
             where = "this host has" if jax.process_count() == 1 else f"the {jax.process_count()} processes have"
             raise ValueError(f"tensor_parallel_size={size}, but {where} {len(devices)} "
                              f"{devices[0].platform} device(s)")
+        if jax.process_count() > 1 and size != len(devices):  # a process outside the mesh would have no step to run
+            raise ValueError(f"over {jax.process_count()} processes the model is split over every process's devices: "
+                             f"give tensor_parallel_size={len(devices)}, not {size}")
         mesh = Mesh(np.array(devices[:size]), (AXIS,), axis_types=(AxisType.Auto,))
         return cls(mesh, expert_parallel)
 

@@ -17,6 +17,13 @@ import sys
 LOCAL_DEVICES = 2
 
 
+def xla_flags(inherited: str, devices: int = LOCAL_DEVICES) -> str:
+    """``XLA_FLAGS`` of a process with ``devices`` host devices: ``inherited`` (this package's flags)
+    with its own device count."""
+    flags = [f for f in inherited.split() if "device_count" not in f]
+    return " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
+
+
 def schedule(tp=None) -> list:
     """A prefill step of two prompts (one snapshotting at 64 tokens) and a decode step; the logits
     of the real rows of each step, as host arrays (gathered from every process under ``tp``)."""
@@ -58,8 +65,7 @@ def schedule(tp=None) -> list:
 
 def main(argv: list[str]) -> int:
     coordinator, n, pid, out = argv
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={LOCAL_DEVICES}"])
+    os.environ["XLA_FLAGS"] = xla_flags(os.environ.get("XLA_FLAGS", ""))
     import jax
     import numpy as np
 
