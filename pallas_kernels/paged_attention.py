@@ -64,7 +64,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-KEY_BLOCK = 64  # == jaxserve.models.layers.KEY_BLOCK (not imported: kernels sit below the models)
+from jaxserve.config import SNAPSHOT_INTERVAL
+
+KEY_BLOCK = SNAPSHOT_INTERVAL  # keys per block, as in jaxserve.models.layers
 ROWS = 64  # WGMMA M: query rows (token, head) of one tile
 NEG = -1e30  # finite "minus infinity", as in the reference
 _SWIZZLE = 128
@@ -204,8 +206,9 @@ def write_kv(k, v, k_pool, v_pool, layer, r):
     n_rows = r.num_rows
     row = jnp.minimum(r.seq, n_rows - 1)
     real = r.seq < n_rows
-    pages = jnp.where(real[:, None], r.page_table[row], 0)
-    dst_page = jnp.take_along_axis(pages, (r.positions // page_size)[:, None], axis=1)[:, 0]
+    # Only the page each token writes: a token's whole page-table row would be [T, W] (512 MiB at
+    # 8192 tokens and a 256k-token table), benchmarks/RESULTS.md "Step memory".
+    dst_page = jnp.where(real, r.page_table[row, r.positions // page_size], 0)
     dst_off = r.positions % page_size
     k_pool = k_pool.at[layer, dst_page, dst_off].set(k.astype(k_pool.dtype))
     v_pool = v_pool.at[layer, dst_page, dst_off].set(v.astype(v_pool.dtype))

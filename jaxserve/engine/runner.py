@@ -433,30 +433,18 @@ class DeviceExecutor:
                 a, b = window_rows(images.placeholders, row.start, end)
                 image_tokens = images.placeholders[a:b] - row.start
                 if b > a:
-                    pieces.append(self._image_rows(images, a, b))
+                    pieces.append((images, a, b))
             rows.append(RowSpec(tokens=row.tokens, start=row.start, pages=req.pages, slot=req.slot or 0,
                                 restore_src=row.restore_src, snapshots=row.snapshots, temperature=sp.temperature,
                                 top_k=sp.top_k, top_p=sp.top_p, seed=sp.seed, sample_idx=row.sample_idx,
                                 feed=row.feed, rope_pos=rope, image_tokens=image_tokens))
         batch = make_batch(rows, self.buckets)
-        table = None
-        if pieces:
-            T, (_, H) = batch.tokens.shape[0], pieces[0][0].shape
-            pad = T - sum(e.shape[0] for e, _ in pieces)
-            table = (jnp.concatenate([e for e, _ in pieces] + [jnp.zeros((pad, H), pieces[0][0].dtype)]),
-                     jnp.concatenate([d for _, d in pieces] + [jnp.zeros((pieces[0][1].shape[0], pad, H),
-                                                                         pieces[0][0].dtype)], axis=1))
+        table = (vision.step_image_table(self.params["vision"], self.cfg.vision, pieces, batch.tokens.shape[0])
+                 if pieces else None)
         out, self.pools = step(self.params, self.cfg, self.pools, batch, feed_tokens=self._feed, image_table=table,
                                placement=self.placement)
         self._feed = out.feed_tokens
         return out, len(rows)
-
-    def _image_rows(self, prompt, a: int, b: int):
-        """Rows [a, b) of a prompt's soft tokens and deepstack features; the tower runs once per
-        prompt, the first time a window needs it, and its output stays with the request."""
-        if prompt.embeds is None:
-            prompt.embeds, prompt.deepstack = vision.encode_images(self.params["vision"], self.cfg.vision, prompt.images)
-        return prompt.embeds[a:b], prompt.deepstack[:, a:b]
 
     def fetch(self, handle: tuple[StepOutput, int]) -> tuple[list[int], list[float]]:
         out, n = handle

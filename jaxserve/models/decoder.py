@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxserve.config import LINEAR_ATTENTION, ModelConfig
 from jaxserve.models import gated_deltanet
@@ -100,6 +101,11 @@ def init_state(cfg: ModelConfig, batch: int, max_len: int, dtype) -> Pools:
 
 def _layer(p: dict, cfg: ModelConfig, i: int, j: int, x: jax.Array, r: Ragged, pools: Pools, decode: bool):
     layer_type = cfg.layer_types[i]
+    # The layer's weights pass one barrier with its input, so nothing computed from weights alone
+    # (ragged_dot's relaid-out expert weights, 384 MiB a layer at the real size) can be scheduled
+    # before the previous layer is done and sit beside every other layer's: the real-size
+    # qwen3_5_moe's 32-row decode step on the jnp MoE path needed 9.3 GiB of temporaries, 0.7 with it.
+    p, x = jax.lax.optimization_barrier((p, x))
     h = rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
     if layer_type == LINEAR_ATTENTION:
         h, conv, rec = gated_deltanet.gated_deltanet(p["linear_attn"], cfg, h, r, pools.conv, pools.rec, j, decode)
@@ -111,6 +117,23 @@ def _layer(p: dict, cfg: ModelConfig, i: int, j: int, x: jax.Array, r: Ragged, p
     h = rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
     h = moe(p["mlp"], cfg, h) if cfg.moe_layers[i] else mlp(p["mlp"], h)
     return x + h, pools
+
+
+def _scoped(layer, once: jax.Array, x: jax.Array, pools: Pools):
+    """``layer(x, pools=pools)`` as the body of a loop that runs ``once`` (1, hidden from XLA
+    behind an optimization barrier, so the loop is not inlined), for the steps with prefill tokens.
+
+    Why: a loop body is a computation of its own, so nothing in one layer is merged with or
+    scheduled beside another layer's work, and the step's temporaries are those of one layer at a
+    time. Without it, XLA merges the identical constant buffers every layer's mixer starts from
+    (the chunked delta rule's zero-filled chunk grids, its scan outputs) into one, gives each layer
+    a private copy to write in place, and schedules all those copies before the first layer: in the
+    real-size qwen3_5_moe (18 GDN layers) ~27 of the 30 GiB of an 8192-token step's temporaries on
+    the CPU, growing with depth (benchmarks/step_memory.py; tests/engine/test_step_memory.py).
+    ``x`` and the pools ride in the carry (the pools stay in place, as in ``paged_attention``).
+    The cost: a loop with a runtime trip count (on a GPU, the host reads its predicate per layer).
+    Decode steps, whose mixers start from no such constants, run the layers inline."""
+    return lax.fori_loop(0, once, lambda _, carry: layer(carry[0], pools=carry[1]), (x, pools))
 
 
 def forward_ragged(params: dict, cfg: ModelConfig, tokens: jax.Array, r: Ragged, pools: Pools, *, decode: bool,
@@ -127,8 +150,10 @@ def forward_ragged(params: dict, cfg: ModelConfig, tokens: jax.Array, r: Ragged,
         rows = jnp.maximum(images.row, 0)
         x = jnp.where(is_image, images.embeds[rows].astype(x.dtype), x)
         r = r._replace(rope_pos=images.rope_pos)
+    once = None if decode else lax.optimization_barrier(jnp.int32(1))  # opaque to XLA: see _scoped
     for i, (p, j) in enumerate(zip(params["layers"], layer_index(cfg))):
-        x, pools = _layer(p, cfg, i, j, x, r, pools, decode)
+        layer = partial(_layer, p, cfg, i, j, r=r, decode=decode)
+        x, pools = layer(x, pools=pools) if decode else _scoped(layer, once, x, pools)
         if images is not None and i < images.deepstack.shape[0]:
             x = x + jnp.where(is_image, images.deepstack[i][rows].astype(x.dtype), 0)
     if last_only:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxserve.config import SLIDING_ATTENTION, ModelConfig
+from jaxserve.config import SLIDING_ATTENTION, SNAPSHOT_INTERVAL, ModelConfig
 from jaxserve.models import backends
 from jaxserve.parallel.layout import split_shards
 from pallas_kernels import moe as moe_kernel
@@ -28,7 +28,7 @@ from pallas_kernels import paged_attention as paged_attention_kernel
 
 # Keys are visited in blocks of this many positions. It is the snapshot interval of ARCHITECTURE.md
 # invariant 1, so a block is whole pages for every legal page size (64 % page_size == 0).
-KEY_BLOCK = 64
+KEY_BLOCK = SNAPSHOT_INTERVAL
 
 
 class Ragged(NamedTuple):
@@ -197,8 +197,10 @@ def paged_attention(q, k, v, k_pool, v_pool, layer: int, r: Ragged, window: int 
     n_rows = r.num_rows
     row = jnp.minimum(r.seq, n_rows - 1)
     real = r.seq < n_rows
-    pages = jnp.where(real[:, None], r.page_table[row], 0)  # [T, W]; padding tokens -> null page
-    dst_page = jnp.take_along_axis(pages, (r.positions // page_size)[:, None], axis=1)[:, 0]
+    # Page ids are gathered per token only where needed (the written page; one key block's pages
+    # in the loop), never each token's whole row, [T, W]: 512 MiB at T = 8192 and a 256k-token
+    # page table (benchmarks/RESULTS.md "Step memory").
+    dst_page = jnp.where(real, r.page_table[row, r.positions // page_size], 0)  # padding -> null page
     dst_off = r.positions % page_size
     k_pool = k_pool.at[layer, dst_page, dst_off].set(k.astype(k_pool.dtype))
     v_pool = v_pool.at[layer, dst_page, dst_off].set(v.astype(v_pool.dtype))
@@ -212,7 +214,8 @@ def paged_attention(q, k, v, k_pool, v_pool, layer: int, r: Ragged, window: int 
 
     def block(j, carry):
         m, l, acc, k_pool, v_pool = carry
-        ids = lax.dynamic_slice_in_dim(pages, j * block_pages, block_pages, axis=1)  # [T, bp]
+        ids = lax.dynamic_slice_in_dim(r.page_table, j * block_pages, block_pages, axis=1)  # [B, bp]
+        ids = jnp.where(real[:, None], ids[row], 0)  # [T, bp]; padding tokens -> null page
         kb = k_pool[layer, ids].reshape(T, KEY_BLOCK, nkv, hd)
         vb = v_pool[layer, ids].reshape(T, KEY_BLOCK, nkv, vd)
         k_pos = j * KEY_BLOCK + jnp.arange(KEY_BLOCK)[None, :]
@@ -305,9 +308,10 @@ def moe(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """Top-k routed experts (``route``) plus a shared expert: sigmoid-gated (Qwen3-Next /
     Qwen3.5-MoE) or not (Kimi-Linear).
 
-    The routed experts run through ``routed_experts`` (``lax.ragged_dot``, the reference) or the
-    Mosaic GPU grouped GEMM (``pallas_kernels.moe.moe_experts``, ``use_moe_kernel``), which reads
-    only the experts the tokens use. Expert weights: gate_up [E, H, 2I], down [E, I, H].
+    The routed experts run through ``routed_experts`` (``lax.ragged_dot``, the reference; a block
+    of tokens at a time, ``routed_experts_blocked``) or the Mosaic GPU grouped GEMM
+    (``pallas_kernels.moe.moe_experts``, ``use_moe_kernel``), which reads only the experts the
+    tokens use. Expert weights: gate_up [E, H, 2I], down [E, I, H].
     """
     shape = x.shape
     xt = x.reshape(-1, shape[-1])
@@ -315,7 +319,7 @@ def moe(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     if use_moe_kernel(cfg, x.dtype):
         routed = moe_kernel.moe_experts(xt, top_w, top_i, p["gate_up"], p["down"], interpret=backends.interpret(cfg))
     else:
-        routed = routed_experts(xt, top_w.astype(x.dtype), top_i, p["gate_up"], p["down"])
+        routed = routed_experts_blocked(xt, top_w.astype(x.dtype), top_i, p["gate_up"], p["down"])
 
     shared = mlp(p["shared_expert"], xt)
     if cfg.shared_expert_gate:
@@ -340,6 +344,47 @@ def routed_experts(xt: jax.Array, top_w: jax.Array, top_i: jax.Array, gate_up: j
     hs = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down, group_sizes)
     hs = hs * top_w.reshape(-1)[order][:, None]
     return jax.ops.segment_sum(hs, token_of, num_segments=n)
+
+
+# XLA lowers ``lax.ragged_dot`` to dense work over every expert (pallas_kernels/moe.py says so of the
+# GPU); on the CPU it is one dense dot whose operand is the rows expanded over every expert,
+# [rows, E * K] (masked), beside a copy of the weights as [E * K, N]. At the real-size qwen3_5_moe
+# (E = 64, H = 2048, top-8) that is 2 MiB per token for the gate/up product: 16 GiB for an
+# 8192-token prefill. ``routed_experts_blocked`` runs the tokens through ``routed_experts`` a block
+# at a time, so at most this many bytes of the expansion exist at once (benchmarks/step_memory.py).
+MOE_EXPANSION_BYTES = 256 << 20
+
+
+def moe_token_block(num_experts: int, top_k: int, hidden: int, intermediate: int, itemsize: int) -> int:
+    """Tokens per block of ``routed_experts_blocked``: the largest power of two whose dense
+    ``ragged_dot`` expansion (top_k rows per token, each over all experts' contracted dims) fits
+    ``MOE_EXPANSION_BYTES``; at least 16."""
+    per_token = top_k * num_experts * max(hidden, intermediate) * itemsize
+    block = 16
+    while 2 * block * per_token <= MOE_EXPANSION_BYTES:
+        block *= 2
+    return block
+
+
+def routed_experts_blocked(xt: jax.Array, top_w: jax.Array, top_i: jax.Array, gate_up: jax.Array,
+                           down: jax.Array, block: int | None = None) -> jax.Array:
+    """``routed_experts`` over blocks of ``block`` tokens (default ``moe_token_block``), one block
+    at a time (``lax.map``), so the memory of ``ragged_dot``'s dense expansion is bounded by the
+    block, not the step. The same numbers: each token's result depends only on its own row and its
+    experts. A batch of at most ``block`` tokens (every decode step) is one plain call."""
+    n, k = top_i.shape
+    if block is None:
+        block = moe_token_block(gate_up.shape[0], k, xt.shape[1], down.shape[1], jnp.dtype(xt.dtype).itemsize)
+    if n <= block:
+        return routed_experts(xt, top_w, top_i, gate_up, down)
+    nb = -(-n // block)
+    pad = nb * block - n  # padding tokens: zero rows, weight 0, expert 0; their results are dropped
+
+    def blocks(a):
+        return jnp.pad(a, ((0, pad), (0, 0))).reshape(nb, block, a.shape[1])
+
+    out = lax.map(lambda a: routed_experts(*a, gate_up, down), (blocks(xt), blocks(top_w), blocks(top_i)))
+    return out.reshape(nb * block, -1)[:n]
 
 
 def use_moe_kernel(cfg: ModelConfig, act_dtype) -> bool:

@@ -164,16 +164,18 @@ def _kda_params(la: str, cfg: ModelConfig, t: Mapping[str, np.ndarray], lin, to_
     }
 
 
-def build_params(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], to_device) -> dict:
+def build_params(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], to_device,
+                 contiguous=np.ascontiguousarray) -> dict:
     """Arrange canonical HF tensors (already validated against ``hf_shapes``) into the pytree.
 
     ``to_device(array)`` converts one host array to a device array of the chosen dtype; it is
-    called once per leaf so the host copy can be freed as loading goes.
+    called once per leaf so the host copy can be freed as loading goes. ``contiguous`` lays out a
+    transposed weight before it goes (``abstract_params`` passes a no-op: it only reads shapes).
     """
     t = tensors
 
     def lin(name: str) -> dict:
-        p = {"w": to_device(np.ascontiguousarray(t[f"{name}.weight"].T))}
+        p = {"w": to_device(contiguous(t[f"{name}.weight"].T))}
         if f"{name}.bias" in t:
             p["b"] = to_device(t[f"{name}.bias"])
         return p
@@ -205,7 +207,7 @@ def build_params(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], to_device)
             else:
                 split = {k: t[f"{la}.{k}.weight"] for k in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
             layer["linear_attn"] = {
-                **{k: {"w": to_device(np.ascontiguousarray(w.T))} for k, w in split.items()},
+                **{k: {"w": to_device(contiguous(w.T))} for k, w in split.items()},
                 "conv_w": to_device(t[f"{la}.conv1d.weight"][:, 0, :]),
                 "dt_bias": to_device(t[f"{la}.dt_bias"]),
                 "A_log": to_device(t[f"{la}.A_log"]),
@@ -222,13 +224,13 @@ def build_params(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], to_device)
         if cfg.moe_layers[i]:
             m = f"{pre}.mlp"
             layer["mlp"] = {
-                "router": to_device(np.ascontiguousarray(t[f"{m}.gate.weight"].T)),
-                "gate_up": to_device(np.ascontiguousarray(t[f"{m}.experts.gate_up_proj"].transpose(0, 2, 1))),
-                "down": to_device(np.ascontiguousarray(t[f"{m}.experts.down_proj"].transpose(0, 2, 1))),
+                "router": to_device(contiguous(t[f"{m}.gate.weight"].T)),
+                "gate_up": to_device(contiguous(t[f"{m}.experts.gate_up_proj"].transpose(0, 2, 1))),
+                "down": to_device(contiguous(t[f"{m}.experts.down_proj"].transpose(0, 2, 1))),
             }
             if cfg.shared_expert_gate:
                 layer["mlp"]["shared_expert"] = mlp_params(f"{m}.shared_expert")
-                layer["mlp"]["shared_expert_gate"] = to_device(np.ascontiguousarray(t[f"{m}.shared_expert_gate.weight"].T))
+                layer["mlp"]["shared_expert_gate"] = to_device(contiguous(t[f"{m}.shared_expert_gate.weight"].T))
             else:
                 layer["mlp"]["shared_expert"] = mlp_params(f"{m}.shared_experts")
             if cfg.router_scoring == "sigmoid":
@@ -239,7 +241,23 @@ def build_params(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], to_device)
 
     params = {"embed": to_device(t["model.embed_tokens.weight"]), "layers": layers, "norm": to_device(t["model.norm.weight"])}
     if not cfg.tie_word_embeddings:
-        params["lm_head"] = to_device(np.ascontiguousarray(t["lm_head.weight"].T))
+        params["lm_head"] = to_device(contiguous(t["lm_head.weight"].T))
     if cfg.vision is not None:
         params["vision"] = vision.build_params(cfg.vision, t, to_device)
     return params
+
+
+def abstract_params(cfg: ModelConfig, dtype) -> dict:
+    """The params pytree of ``build_params`` as ``jax.ShapeDtypeStruct``s of ``dtype`` (every leaf
+    in one dtype, as the loader makes them), without a byte of weights: the tensors are zero-stride
+    views of one byte, so only shapes flow through the layout code (the few concatenations of fused
+    layouts copy at most one layer's projection, as int8). For compiling step programs of a model
+    too large to hold (``benchmarks/step_memory.py``)."""
+    import jax  # the rest of this module is numpy only
+
+    if cfg.vision is not None:
+        raise ValueError("abstract_params covers the text stack only")
+    one = np.zeros((), np.int8)
+    tensors = {name: np.lib.stride_tricks.as_strided(one, shape, (0,) * len(shape))
+               for name, shape in hf_shapes(cfg).items()}
+    return build_params(cfg, tensors, lambda a: jax.ShapeDtypeStruct(np.shape(a), dtype), contiguous=lambda a: a)

@@ -23,7 +23,8 @@ import pytest
 from jaxserve.engine import llm as llm_mod
 from jaxserve.engine import runner, startup
 from jaxserve.engine.pools import MiB, minimal_pool_bytes, page_bytes, plan_pools, slot_bytes
-from jaxserve.generate import SamplingParams
+from jaxserve.models.params import abstract_params
+from jaxserve.sampling_params import SamplingParams
 from tests.engine.test_pools import HYBRID
 from tests.engine.test_runner import KERNEL_CONFIG
 from weights import load_model
@@ -161,6 +162,28 @@ def test_ahead_of_time_compile_is_the_program_step_runs(tiny):
     inputs = sum(x.nbytes for x in read.values()) + 4 * b.seqs[-1]
     assert mem.program == program and mem.temp_bytes > 0
     assert mem.temp_bytes + inputs <= mem.need_bytes <= mem.temp_bytes + 2 * inputs + 4096
+
+
+def test_abstract_params_compile_the_program_the_loaded_model_runs(tiny):
+    """``params.abstract_params`` (the weights-free params of benchmarks/step_memory.py) has the
+    loaded pytree's structure, shapes and dtype, so the program ``StepCompiler`` builds from it is
+    the one a step with the real weights runs: no second compile."""
+    model = load_model(tiny, dtype="float32", progress=False)
+    cfg, params = model.config, model.params
+    abstract = abstract_params(cfg, jnp.float32)
+    spec = lambda tree: jax.tree.map(lambda x: (x.shape, jnp.dtype(x.dtype)), tree)  # noqa: E731
+    assert spec(abstract) == spec(params)
+    b = runner.Buckets.for_limits(max_prefill_tokens=128, max_seqs=2, max_model_len=256, page_size=16)
+    plan = plan_pools(cfg, jnp.float32, page_size=16, max_seqs=2, num_pages=20, num_slots=6)
+    program = (128, 2, b.snapshot_sizes(128, False)[-1], False)
+    mem = startup.StepCompiler(abstract, cfg, b).compile(program, startup.pool_structs(cfg, jnp.float32, plan))
+    assert mem.temp_bytes > 0
+    before = startup.step_compiles()
+    batch = runner.padding_batch(*program[:3], b.pages_per_seq, False)
+    out, pools = runner.step(params, cfg, llm_mod.init_pools(plan, cfg, jnp.float32), batch,
+                             feed_tokens=runner.feed_buffer(b.seqs[-1]))
+    jax.block_until_ready(pools)
+    assert startup.step_compiles() == before
 
 
 def test_engine_plans_compiles_and_serves_without_compiling(tiny, monkeypatch):

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.generate import SamplingParams, generate
+from jaxserve.generate import generate
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.models import decoder
 from tests.conftest import CHECKPOINTS, NEW_TOKENS, PROMPT_LEN, SHIPPED
 from weights import load_model
