@@ -359,7 +359,7 @@ def moe_token_block(num_experts: int, top_k: int, hidden: int, intermediate: int
     """Tokens per block of ``routed_experts_blocked``: the largest power of two whose dense
     ``ragged_dot`` expansion (top_k rows per token, each over all experts' contracted dims) fits
     ``MOE_EXPANSION_BYTES``; at least 16."""
-    per_token = top_k * num_experts * max(hidden, intermediate) * itemsize
+    per_token = max(1, top_k * num_experts * max(hidden, intermediate) * itemsize)  # >= 1: the loop ends
     block = 16
     while 2 * block * per_token <= MOE_EXPANSION_BYTES:
         block *= 2
