@@ -128,8 +128,9 @@ def _scoped(layer, once: jax.Array, x: jax.Array, pools: Pools):
     time. Without it, XLA merges the identical constant buffers every layer's mixer starts from
     (the chunked delta rule's zero-filled chunk grids, its scan outputs) into one, gives each layer
     a private copy to write in place, and schedules all those copies before the first layer: in the
-    real-size qwen3_5_moe (18 GDN layers) ~27 of the 30 GiB of an 8192-token step's temporaries on
-    the CPU, growing with depth (benchmarks/step_memory.py; tests/engine/test_step_memory.py).
+    real-size qwen3_5_moe (18 GDN layers) 27 of the 30 GiB an 8192-token step still needed on the
+    CPU with the MoE and page-table fixes, growing with depth (benchmarks/RESULTS.md "Step memory";
+    tests/engine/test_step_memory.py).
     ``x`` and the pools ride in the carry (the pools stay in place, as in ``paged_attention``).
     The cost: a loop with a runtime trip count (on a GPU, the host reads its predicate per layer).
     Decode steps, whose mixers start from no such constants, run the layers inline."""
