@@ -311,6 +311,9 @@ class ModelConfig:
         )
         if family == "kimi_linear":
             fields.update(_kimi_linear_fields(get, need, source, num_layers))
+        if fields["num_experts"] and not 0 < fields["num_experts_per_tok"] <= fields["num_experts"]:
+            raise ConfigError(f"{source}: {fields['num_experts']} routed experts but {fields['num_experts_per_tok']} "
+                              "per token (num_experts_per_tok must be 1..num_experts)")
         return cls(**fields)
 
 
@@ -318,6 +321,12 @@ def _kimi_linear_fields(get, need, source: str, num_layers: int) -> dict[str, An
     """What Kimi-Linear's config.json (as transformers' ``KimiLinearConfig`` writes it) sets
     differently from the Qwen hybrids: KDA linear layers, MLA full attention without rotary,
     plain RMSNorm, sigmoid-routed experts with groups and a bias, an ungated shared expert."""
+    aliases = {"num_experts_per_token": "num_experts_per_tok", "num_expert_group": "n_group",
+               "num_shared_experts": "n_shared_experts", "num_experts": "num_local_experts"}
+
+    def get_kimi(key: str, default: Any) -> Any:  # transformers' KimiLinearConfig.attribute_map names too
+        return get(key, get(aliases[key], default))
+
     lin = get("linear_attn_config", {}) or {}
     full = set(lin.get("full_attn_layers", []))  # 1-based, as the checkpoint lists them
     layer_types = tuple(get("layer_types", [FULL_ATTENTION if i + 1 in full else LINEAR_ATTENTION
@@ -329,19 +338,19 @@ def _kimi_linear_fields(get, need, source: str, num_layers: int) -> dict[str, An
     heads = get("linear_num_heads", lin.get("num_heads", 0))
     head_dim = get("linear_head_dim", lin.get("head_dim", 0))
     nope, rope, v_dim = need("qk_nope_head_dim"), need("qk_rope_head_dim"), need("v_head_dim")
-    experts = get("num_experts", 0)
+    experts = get_kimi("num_experts", 0)
     moe_inter = get("moe_intermediate_size", 0)
     return dict(
         layer_types=layer_types, attn_output_gate=False, zero_centered_norm=False, rotary_dim=0,
         num_kv_heads=need("num_attention_heads"), head_dim=nope + rope,
         q_lora_rank=get("q_lora_rank", 0), kv_lora_rank=need("kv_lora_rank"),
         qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v_dim,
-        num_experts=experts, num_experts_per_tok=get("num_experts_per_token", 0) if experts else 0,
+        num_experts=experts, num_experts_per_tok=get_kimi("num_experts_per_token", 0) if experts else 0,
         moe_intermediate_size=moe_inter if experts else 0,
-        shared_expert_intermediate_size=moe_inter * get("num_shared_experts", 0) if experts else 0,
+        shared_expert_intermediate_size=moe_inter * get_kimi("num_shared_experts", 0) if experts else 0,
         norm_topk_prob=bool(get("moe_renormalize", True)),
         moe_layers=tuple(bool(experts) and t == "sparse" for t in mlp_types),
-        router_scoring="sigmoid", num_expert_groups=get("num_expert_group", 1), topk_groups=get("topk_group", 1),
+        router_scoring="sigmoid", num_expert_groups=get_kimi("num_expert_group", 1), topk_groups=get("topk_group", 1),
         routed_scaling_factor=float(get("routed_scaling_factor", 1.0)), shared_expert_gate=False,
         linear_conv_kernel=get("linear_conv_kernel_dim", lin.get("short_conv_kernel_size", 4)),
         linear_num_key_heads=heads, linear_num_value_heads=heads,

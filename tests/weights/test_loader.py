@@ -370,3 +370,22 @@ def test_transformers_checkpoint_loads(hf_dir, capfd, family, variant):
     np.testing.assert_array_equal(model.params["embed"], plain["model.embed_tokens.weight"])
     if "lm_head.weight" in plain:
         np.testing.assert_array_equal(model.params["lm_head"], plain["lm_head.weight"].T)
+
+
+def test_error_routed_experts_but_none_per_token(tmp_path, good):
+    raw, tensors = good
+    _fails(write_checkpoint(tmp_path, dict(raw, num_experts_per_tok=0), tensors), "config.json", "0 per token",
+           error=ConfigError)
+
+
+def test_kimi_linear_reads_transformers_alias_keys():
+    """KimiLinearConfig accepts ``num_experts_per_tok``, ``n_group``, ``n_shared_experts`` as aliases
+    (its attribute_map) and writes ``num_experts_per_token`` & co.: both spellings mean the same model."""
+    raw = dict(model_type="kimi_linear", vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+               num_attention_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+               moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, n_group=2, n_shared_experts=1,
+               linear_attn_config={"full_attn_layers": [2], "head_dim": 8, "num_heads": 2})
+    canonical = {k: v for k, v in raw.items() if k not in ("num_experts_per_tok", "n_group", "n_shared_experts")}
+    canonical.update(num_experts_per_token=2, num_expert_group=2, num_shared_experts=1)
+    a, b = ModelConfig.from_hf(raw), ModelConfig.from_hf(canonical)
+    assert a == b and a.num_experts_per_tok == 2 and a.num_expert_groups == 2 and a.shared_expert_intermediate_size == 16
