@@ -38,7 +38,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.models import backends
 from jaxserve.models.gated_deltanet import use_conv_kernel, use_decode_kernel, use_prefill_kernel
 from jaxserve.models.layers import use_attention_kernel
-from jaxserve.models.vision import compile_buckets
+from jaxserve.models.vision import compile_buckets, encode_need_bytes
 from jaxserve.multimodal.preprocess import (MAX_PIXELS_ENV, ImageProcessing, PixelPatches, decode, default_max_pixels,
                                             preprocess)
 from jaxserve.multimodal.prompt import prepare
@@ -222,7 +222,8 @@ def build_engine(args: EngineArgs) -> Engine:
                                                 args.num_slots, args.snapshot_fraction),
         budget=budget, param_bytes=param_bytes, log=lambda msg: _log(args, msg),
         measure=None if unmeasured else lambda program, plan: compiler.compile(
-            program, startup.pool_structs(cfg, dtype, plan)))
+            program, startup.pool_structs(cfg, dtype, plan)),
+        between_steps=None if unmeasured else _tower_need(args, cfg, params))
     plan, buckets = memory.pools, memory.buckets
     distributed.require_same("memory plan (pool sizes and prefill buckets)", repr((plan, buckets)))
     _log(args, f"{cfg.model_type} ({cfg.num_layers} layers), {args.dtype}{f', {tp.describe()}' if tp else ''}, "
@@ -348,18 +349,33 @@ def image_placeholder(tokenizer, vision) -> tuple[str | None, str]:
     return text, ""
 
 
+def _image_processing(args: EngineArgs, vision) -> tuple[ImageProcessing, int, str]:
+    """(the checkpoint's image processing under the resize clamp, the clamp, where it came from)."""
+    if args.image_max_pixels is not None and args.image_max_pixels < 1:
+        raise ValueError(f"image_max_pixels must be >= 1, got {args.image_max_pixels}")
+    max_pixels = args.image_max_pixels or default_max_pixels()
+    source = ("image_max_pixels" if args.image_max_pixels else
+              f"${MAX_PIXELS_ENV}" if os.environ.get(MAX_PIXELS_ENV) else "the default")
+    return ImageProcessing.from_checkpoint(args.model, vision).clamped(max_pixels), max_pixels, source
+
+
+def _tower_need(args: EngineArgs, cfg, params) -> tuple[str, int] | None:
+    """What the vision tower's largest program (an image at the resize clamp) needs, for the memory
+    plan (``startup.plan_memory``'s ``between_steps``); None without a tower or a memory analysis."""
+    if cfg.vision is None or "vision" not in params:
+        return None
+    processing = _image_processing(args, cfg.vision)[0]
+    need = encode_need_bytes(params["vision"], cfg.vision, processing.max_pixels // processing.patch_size**2)
+    return None if need is None else (f"the vision tower at {need[0]} patches", need[1])
+
+
 def image_input(args: EngineArgs, engine: Engine) -> ImageInput | None:
     """The image input of ``args.model`` (None without a vision tower), its resize clamp said once:
     ``args.image_max_pixels``, else ``$JAXSERVE_IMAGE_MAX_PIXELS``, else ~1 Mpx."""
     vision = engine.executor.cfg.vision
     if vision is None:
         return None
-    if args.image_max_pixels is not None and args.image_max_pixels < 1:
-        raise ValueError(f"image_max_pixels must be >= 1, got {args.image_max_pixels}")
-    max_pixels = args.image_max_pixels or default_max_pixels()
-    source = ("image_max_pixels" if args.image_max_pixels else
-              f"${MAX_PIXELS_ENV}" if os.environ.get(MAX_PIXELS_ENV) else "the default")
-    processing = ImageProcessing.from_checkpoint(args.model, vision).clamped(max_pixels)
+    processing, max_pixels, source = _image_processing(args, vision)
     placeholder, why = image_placeholder(engine.tokenizer, vision) if engine.tokenizer is not None else (None, "no tokenizer")
     _log(args, f"images: resized to at most {processing.max_pixels} pixels ({max_pixels} from {source}; "
                f"{processing.factor}x{processing.factor} pixels per soft token, so at most "

@@ -250,7 +250,8 @@ def _mixed(buckets: Buckets, T: int) -> tuple[int, int, int, bool]:
 
 def plan_memory(cfg: ModelConfig, dtype, buckets: Buckets, limits: PoolLimits, *, budget: int | None,
                 param_bytes: int, measure: Callable[[tuple, PoolPlan], StepMemory | None] | None,
-                log: Callable[[str], None] = lambda msg: None) -> MemoryPlan:
+                log: Callable[[str], None] = lambda msg: None,
+                between_steps: tuple[str, int] | None = None) -> MemoryPlan:
     """Pools and prefill buckets such that params + pools + the largest prefill step's needs (with
     ``with_margin``) fit ``budget``.
 
@@ -264,7 +265,10 @@ def plan_memory(cfg: ModelConfig, dtype, buckets: Buckets, limits: PoolLimits, *
     given) do not fit beside it, smaller buckets are tried, starting from the largest one a need
     proportional to T would allow (a need a + b·T with a >= 0 falls no faster than T going down, so
     none above it can fit), and the prefill budget drops to the first that fits (logged). Raises
-    ``ValueError`` when none does."""
+    ``ValueError`` when none does.
+
+    ``between_steps`` (what, bytes): a program that runs between steps on the same stream (the
+    vision tower), so its need and a step's never add up: the reserve covers the larger of the two."""
     plan_kw = dict(page_size=limits.page_size, max_seqs=limits.max_seqs, num_pages=limits.num_pages,
                    num_slots=limits.num_slots, snapshot_fraction=limits.snapshot_fraction)
     explicit = limits.num_pages is not None and limits.num_slots is not None
@@ -286,20 +290,22 @@ def plan_memory(cfg: ModelConfig, dtype, buckets: Buckets, limits: PoolLimits, *
         plan = plan_pools(cfg, dtype, mem_bytes=budget, param_bytes=param_bytes, **plan_kw)
         return MemoryPlan(plan, buckets, 0, None, "no reserve: this backend reports no memory analysis")
     first = probe
-    while with_margin(probe.need_bytes) > room(T):
+    other = between_steps[1] if between_steps else 0
+    while with_margin(max(probe.need_bytes, other)) > room(T):
         per_token = first.need_bytes / first.program[0]
         below = [t for t in tokens if t < T]
         if not below:
+            tower = f" (and {between_steps[0]} needs {fmt_bytes(other)})" if other > probe.need_bytes else ""
             raise ValueError(
-                f"{probe.describe()} of temporaries, but params ({fmt_bytes(param_bytes)}) and the smallest pools "
+                f"{probe.describe()} of temporaries{tower}, but params ({fmt_bytes(param_bytes)}) and the smallest pools "
                 f"leave {fmt_bytes(room(T))} of the {fmt_bytes(budget)} budget (a reserve of "
-                f"{fmt_bytes(with_margin(probe.need_bytes))} is needed): no prefill bucket fits; use a device with "
+                f"{fmt_bytes(with_margin(max(probe.need_bytes, other)))} is needed): no prefill bucket fits; use a device with "
                 f"more memory, a larger mem_fraction (--mem-fraction), fewer running requests or a smaller "
                 f"max_model_len")
         guess = [t for t in below if with_margin(int(per_token * t)) <= room(t)]
         T = guess[-1] if guess else below[0]
         probe = measure(_mixed(buckets, T), probe_plan)
-    reserve = with_margin(probe.need_bytes)
+    reserve = with_margin(max(probe.need_bytes, other))
     if T != tokens[-1]:
         log(f"max prefill lowered from {tokens[-1]} to {T} tokens per step: {first.describe()} beside params "
             f"({fmt_bytes(param_bytes)}) and the smallest pools, more than the {fmt_bytes(budget)} budget allows; "
@@ -307,7 +313,8 @@ def plan_memory(cfg: ModelConfig, dtype, buckets: Buckets, limits: PoolLimits, *
         buckets = buckets.with_max_tokens(T)
     plan = plan_pools(cfg, dtype, mem_bytes=budget, param_bytes=param_bytes, reserve_bytes=reserve,
                       min_kv_tokens=0 if explicit else T, **plan_kw)
-    note = (f"reserved {fmt_bytes(reserve)} for step temporaries ({probe.describe()}, measured in {probe.seconds:.1f}s, "
+    needs = probe.describe() + (f"; {between_steps[0]} needs {fmt_bytes(other)}" if between_steps else "")
+    note = (f"reserved {fmt_bytes(reserve)} for step temporaries ({needs}, measured in {probe.seconds:.1f}s, "
             f"+{MARGIN_FRACTION:.0%} + {fmt_bytes(MARGIN_BYTES)}) of the {fmt_bytes(budget)} budget beside "
             f"params ({fmt_bytes(param_bytes)})")
     return MemoryPlan(plan, buckets, reserve, probe, note)

@@ -329,6 +329,28 @@ def step_image_table(params: dict, vcfg: VisionConfig, windows, rows: int) -> tu
     return _join(tuple(blocks))
 
 
+def _compile_encode(params: dict, vcfg: VisionConfig, bucket: int) -> jax.stages.Compiled:
+    """``encode`` compiled ahead of time for images padded to ``bucket`` patches (nothing runs)."""
+    m, channels = vcfg.spatial_merge_size, vcfg.in_channels
+    pixels = jax.ShapeDtypeStruct((bucket, channels * vcfg.patch_size**2), jnp.uint8)
+    levels = jax.ShapeDtypeStruct((channels, 256), jnp.float32)
+    inputs = TowerInputs(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in tower_inputs(vcfg, (1, m, m), bucket)))
+    return encode.lower(params, vcfg, pixels, levels, inputs).compile()
+
+
+def encode_need_bytes(params: dict, vcfg: VisionConfig, max_patches: int) -> tuple[int, int] | None:
+    """(bucket, bytes) the tower's largest program for images of at most ``max_patches`` patches
+    needs beside its params: XLA's temporaries plus its outputs (from the compiled program's
+    memory analysis; None where the backend gives none). The engine runs the tower between steps
+    on the same stream, so start-up reserves the larger of this and the largest step's need, not
+    their sum; the outputs are counted because they outlive the program until a step places them."""
+    bucket = patch_buckets(max_patches, vcfg.spatial_merge_size)[-1]
+    stats = _compile_encode(params, vcfg, bucket).memory_analysis()
+    if stats is None:
+        return None
+    return bucket, int(stats.temp_size_in_bytes) + int(stats.output_size_in_bytes)
+
+
 def compile_buckets(params: dict, vcfg: VisionConfig, max_patches: int, table_rows) -> int:
     """Compile every program an image of at most ``max_patches`` patches needs on the serving path:
     ``encode`` at each of its buckets (ahead of time, nothing runs: the largest bucket's attention is
@@ -342,13 +364,10 @@ def compile_buckets(params: dict, vcfg: VisionConfig, max_patches: int, table_ro
     m = vcfg.spatial_merge_size
     buckets = patch_buckets(max_patches, m)
     dtype = params["pos_embed"].dtype
-    width, depth, channels = vcfg.out_hidden_size, len(vcfg.deepstack_layers), vcfg.in_channels
-    levels = jax.ShapeDtypeStruct((channels, 256), jnp.float32)
+    width, depth = vcfg.out_hidden_size, len(vcfg.deepstack_layers)
     programs = 0
     for bucket in buckets:
-        pixels = jax.ShapeDtypeStruct((bucket, channels * vcfg.patch_size**2), jnp.uint8)
-        inputs = TowerInputs(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in tower_inputs(vcfg, (1, m, m), bucket)))
-        encode.lower(params, vcfg, pixels, levels, inputs).compile()
+        _compile_encode(params, vcfg, bucket)
         programs += 1
     for block in sorted({table_block(rows) for rows in table_rows}):
         zero = _empty_block(block, depth, width, dtype)

@@ -69,9 +69,10 @@ def _room(T: int) -> int:
     return minimal_pool_bytes(HYBRID, jnp.bfloat16, page_size=16, max_seqs=8, min_kv_tokens=T)
 
 
-def _plan(measure, budget, limits=LIMITS, logs=None):
+def _plan(measure, budget, limits=LIMITS, logs=None, between_steps=None):
     return startup.plan_memory(HYBRID, jnp.bfloat16, BUCKETS, limits, budget=budget, param_bytes=PARAMS,
-                               measure=measure, log=(logs.append if logs is not None else lambda m: None))
+                               measure=measure, log=(logs.append if logs is not None else lambda m: None),
+                               between_steps=between_steps)
 
 
 def test_reserve_covers_the_largest_step_and_the_pools_take_the_rest():
@@ -113,6 +114,20 @@ def test_nothing_fits_is_one_clear_error():
     budget = PARAMS + _room(32) + startup.with_margin(measure.need(32)) - 1
     with pytest.raises(ValueError, match=r"needs .* no prefill bucket fits"):
         _plan(measure, budget)
+
+
+def test_a_program_between_steps_is_covered_by_the_reserve_not_added_to_it():
+    """The vision tower runs between steps on the same stream: the reserve is the larger need."""
+    measure = FakeMeasure(2 * MiB, 1024)
+    small = _plan(measure, 1024 * MiB, between_steps=("the vision tower at 64 patches", MiB))
+    assert small.reserve_bytes == startup.with_margin(measure.need(2048))
+    big = 300 * MiB
+    mp = _plan(measure, 1024 * MiB, between_steps=("the vision tower at 4096 patches", big))
+    assert mp.reserve_bytes == startup.with_margin(big) and mp.buckets == BUCKETS
+    assert PARAMS + mp.pools.total_bytes + mp.reserve_bytes <= 1024 * MiB
+    assert "the vision tower at 4096 patches needs 300" in mp.note
+    with pytest.raises(ValueError, match="vision tower at 4096 patches needs"):
+        _plan(measure, PARAMS + _room(32) + big, between_steps=("the vision tower at 4096 patches", big))
 
 
 def test_explicit_pool_sizes_are_probed_and_kept():

@@ -208,3 +208,13 @@ def test_step_table_places_each_window_and_new_sizes_compile_nothing(tower):
     np.testing.assert_array_equal(np.asarray(deep), want_deep)
     with pytest.raises(ValueError, match="do not fit a table of 32"):
         vision.step_image_table(tower, TOWER, windows, 32)
+
+
+def test_tower_need_is_its_largest_bucket_and_covers_its_outputs(tower):
+    """What start-up reserves for the tower: the largest bucket an image under the clamp pads to,
+    at least that program's outputs (soft tokens and deepstack rows), growing with the bucket."""
+    bucket, need = vision.encode_need_bytes(tower, TOWER, max_patches=200)
+    assert bucket == vision.patch_buckets(200, 2)[-1] == 256
+    rows, width, depth = bucket // 4, TOWER.out_hidden_size, len(TOWER.deepstack_layers)
+    assert need >= rows * width * (1 + depth) * 4  # float32 tower
+    assert vision.encode_need_bytes(tower, TOWER, max_patches=1024)[1] > need
