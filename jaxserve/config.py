@@ -163,6 +163,10 @@ class ModelConfig:
     # Execution, not checkpoint: kernels or jnp references for the mixer backends (static under
     # jit): "auto" | "jnp" | "pallas" | "pallas-interpret"; jaxserve/models/backends.py says what each does.
     kernels: str = "auto"
+    # Execution: the routed experts are split by expert id over the ``"tp"`` axis of the mesh the step
+    # is traced under (static under jit; only ``TensorParallel.configure`` sets it), so ``layers.moe``
+    # runs each device's own experts under ``shard_map`` (``layers.expert_parallel``).
+    expert_parallel: bool = False
 
     @property
     def is_mla(self) -> bool:

@@ -19,10 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import SLIDING_ATTENTION, SNAPSHOT_INTERVAL, ModelConfig
 from jaxserve.models import backends
-from jaxserve.parallel.layout import split_shards
+from jaxserve.parallel.layout import AXIS, split_shards
 from pallas_kernels import moe as moe_kernel
 from pallas_kernels import paged_attention as paged_attention_kernel
 
@@ -309,14 +310,17 @@ def moe(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     Qwen3.5-MoE) or not (Kimi-Linear).
 
     The routed experts run through ``routed_experts`` (``lax.ragged_dot``, the reference; a block
-    of tokens at a time, ``routed_experts_blocked``) or the Mosaic GPU grouped GEMM
+    of tokens at a time, ``routed_experts_blocked``), on each device's own experts under expert
+    parallelism (``expert_parallel``), or the Mosaic GPU grouped GEMM
     (``pallas_kernels.moe.moe_experts``, ``use_moe_kernel``), which reads only the experts the
     tokens use. Expert weights: gate_up [E, H, 2I], down [E, I, H].
     """
     shape = x.shape
     xt = x.reshape(-1, shape[-1])
     top_w, top_i = route(p, cfg, xt)
-    if use_moe_kernel(cfg, x.dtype):
+    if cfg.expert_parallel:
+        routed = expert_parallel(xt, top_w.astype(x.dtype), top_i, p["gate_up"], p["down"])
+    elif use_moe_kernel(cfg, x.dtype):
         routed = moe_kernel.moe_experts(xt, top_w, top_i, p["gate_up"], p["down"], interpret=backends.interpret(cfg))
     else:
         routed = routed_experts_blocked(xt, top_w.astype(x.dtype), top_i, p["gate_up"], p["down"])
@@ -327,12 +331,44 @@ def moe(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     return (routed + shared).astype(x.dtype).reshape(shape)
 
 
+def expert_parallel(xt: jax.Array, top_w: jax.Array, top_i: jax.Array, gate_up: jax.Array,
+                    down: jax.Array) -> jax.Array:
+    """``routed_experts_blocked`` with the experts split by id over the ambient mesh's ``"tp"`` axis
+    (device ``d`` holds experts ``[d * E/n, (d+1) * E/n)``, ``jaxserve.parallel.tensor``), under
+    ``shard_map``.
+
+    The tokens and their routing are replicated (every device routes every token); each device
+    renames its own experts' ids to ``0 .. E/n - 1`` and every other id to ``E/n``, which
+    ``routed_experts`` drops (only the device's own pairs are counted in the group sizes and
+    multiplied; the dropped pairs' weights are zeroed as well), runs ``routed_experts_blocked`` on
+    its shard of the weights, and a ``psum`` adds the devices' partial sums. No device reads
+    another's expert weights; the one collective is the all-reduce of the ``[n, H]`` result, as a
+    row-parallel projection's. A token's slots are summed in another order than on one device (per
+    device, then across), so results agree with one device's to rounding.
+
+    The jnp path only: the Pallas kernels do not run under tensor parallelism
+    (``TensorParallel.configure``)."""
+    def local(xt, top_w, top_i, gate_up, down):
+        held = gate_up.shape[0]
+        first = lax.axis_index(AXIS) * held
+        mine = (top_i >= first) & (top_i < first + held)
+        part = routed_experts_blocked(xt, jnp.where(mine, top_w, 0), jnp.where(mine, top_i - first, held),
+                                      gate_up, down)
+        return lax.psum(part, AXIS)
+
+    return jax.shard_map(local, in_specs=(P(), P(), P(), P(AXIS), P(AXIS)), out_specs=P())(
+        xt, top_w, top_i, gate_up, down)
+
+
 def routed_experts(xt: jax.Array, top_w: jax.Array, top_i: jax.Array, gate_up: jax.Array,
                    down: jax.Array) -> jax.Array:
     """``Σ_s top_w[t, s] * expert_{top_i[t, s]}(xt[t])`` with ``lax.ragged_dot``: the (token, expert)
     pairs are sorted by expert (stable) so each expert's weights apply only to its rows; the
     results are weighted and summed back per token (``segment_sum``). In ``xt.dtype``, rounded after
-    every op (the reference the kernel is tested against)."""
+    every op (the reference the kernel is tested against).
+
+    Ids ``>= E`` are dropped: ``bincount`` leaves them out of the group sizes and the sort puts
+    them last, past every group, where ``ragged_dot`` gives zero rows."""
     n, k, e = xt.shape[0], top_i.shape[1], gate_up.shape[0]
     flat_expert = top_i.reshape(-1)
     order = jnp.argsort(flat_expert, stable=True)

@@ -11,7 +11,9 @@ slice (no communication).
 
 ``shards()`` is the size of the ``"tp"`` axis of the mesh the step is traced under (``jax.set_mesh``;
 1 without one), so the model code needs no extra argument and the single-device program is the
-one it always was (``n == 1``: plain slices, the layout is the checkpoint's).
+one it always was (``n == 1``: plain slices, the layout is the checkpoint's). Inside a
+``shard_map`` over ``"tp"`` it is 1 too: the body sees each device's own arrays, which nothing splits
+further (the expert-parallel experts, ``layers.expert_parallel``, hold whole intermediates).
 """
 
 from __future__ import annotations
@@ -25,8 +27,12 @@ AXIS = "tp"
 
 
 def shards() -> int:
-    """Size of the ambient mesh's ``"tp"`` axis while tracing (1 outside any mesh)."""
-    return dict(jax.sharding.get_abstract_mesh().shape).get(AXIS, 1)
+    """Size of the ambient mesh's ``"tp"`` axis while tracing (1 outside any mesh, and where the
+    axis is manual: in a ``shard_map`` body, whose arrays are one device's)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if AXIS in mesh.manual_axes:
+        return 1
+    return dict(mesh.shape).get(AXIS, 1)
 
 
 def split_shards(x: jax.Array, sizes: Sequence[int]) -> tuple[jax.Array, ...]:

@@ -6,7 +6,8 @@
     pools = init_pools(plan, cfg, dtype, tp.pool_shardings(cfg))  # allocated split by head
 
 Megatron-style tensor parallelism, expressed as ``NamedSharding``s over the mesh axis ``"tp"``;
-XLA SPMD (GSPMD) inserts every collective, nothing is hand-rolled. Weights are ``[in, out]``:
+XLA SPMD (GSPMD) inserts every collective but the expert-parallel ``psum`` (below). Weights are
+``[in, out]``:
 
 - column-parallel (out split, a whole set of heads per device): attention ``q_proj`` / ``k_proj`` /
   ``v_proj`` (and MLA's ``q_b_proj`` / ``kv_b_proj``), the MLPs' ``gate_proj`` / ``up_proj``, and the
@@ -17,9 +18,12 @@ XLA SPMD (GSPMD) inserts every collective, nothing is hand-rolled. Weights are `
 - replicated: norms, low-rank / latent projections (``q_a_proj``, ``kv_a_proj_with_mqa``, ``f_a``,
   ``g_a``), the router and the shared expert's gate, the vision tower, and ``embed``;
 - routed experts: split by intermediate (``gate_up`` shard-major on its last axis, ``down`` on its
-  middle one; tensor parallel) or, with ``expert_parallel``, by expert id (axis 0), where XLA
-  chooses how tokens meet experts (today it all-gathers a layer's experts for the grouped matmul:
-  the weights rest split, the compute does not; a ``shard_map``'d grouped GEMM is the follow-up);
+  middle one; tensor parallel) or, with ``expert_parallel``, by expert id (axis 0, whole experts in
+  the checkpoint's layout). Then ``configure`` sets ``ModelConfig.expert_parallel`` and
+  ``layers.expert_parallel`` runs the grouped matmul under ``shard_map``, each device over the
+  (token, slot) pairs routed to its own experts (tokens and routing are replicated), then ``psum``s
+  the partial outputs; no device gathers another's experts (tests/parallel/test_expert_parallel.py
+  checks the compiled step);
 - ``lm_head`` split by vocabulary (when it divides; the largest matmul of a decode step and its
   weight, split; the sampler's softmax / top-k over the gathered logits is XLA's). ``embed`` is
   replicated: its use is a row gather (a vocab-split table costs an all-reduce of every token's
@@ -32,7 +36,10 @@ heads than devices replicates them (``configure``: each KV head repeated ``size 
 times, which keeps every query head on its own group's KV), as vLLM does.
 
 Kernels: under TP the jnp backends run (``kernels`` ``auto`` becomes ``jnp``); asking for the
-Pallas kernels is a start-up error until they are wrapped in ``shard_map`` (follow-up).
+Pallas kernels is a start-up error until they are wrapped in ``shard_map`` (follow-up). The
+expert-parallel ``shard_map`` body runs ``lax.ragged_dot``, not the MoE kernel: the kernel's
+un-sort does not yet drop the pairs of other devices' experts, and Mosaic GPU's interpreter cannot
+run it on several devices, so a per-shard kernel would go unchecked on the CPU.
 
 Loading: the checkpoint is built as host arrays and each leaf goes to the devices already split
 (``jax.device_put`` with its sharding), so no device ever holds more than its shard; the host holds
@@ -96,8 +103,8 @@ class TensorParallel:
 
     def configure(self, cfg: ModelConfig) -> ModelConfig:
         """Check that every split divides and return the config the sharded model runs: KV heads
-        replicated up to the device count where there are fewer, the jnp backends. Raises
-        ``ValueError`` naming the first shape that cannot be split."""
+        replicated up to the device count where there are fewer, the jnp backends,
+        ``expert_parallel``. Raises ``ValueError`` naming the first shape that cannot be split."""
         n = self.size
         kernels = cfg.kernels
         if kernels not in ("auto", "jnp"):
@@ -130,7 +137,7 @@ class TensorParallel:
                 raise ValueError(f"tensor_parallel_size={n}: the {kv_heads} KV heads can be replicated only to a "
                                  f"device count they divide")
             kv_heads = n
-        return dataclasses.replace(cfg, num_kv_heads=kv_heads, kernels="jnp")
+        return dataclasses.replace(cfg, num_kv_heads=kv_heads, kernels="jnp", expert_parallel=self.expert_parallel)
 
     def shard_config(self, cfg: ModelConfig) -> ModelConfig:
         """The config whose pools are one device's share (for sizing pools from a per-device budget)."""
@@ -149,10 +156,10 @@ class TensorParallel:
         if path[0] != "layers":  # embed, norm, vision tower
             return P(), x
         if leaf in ("gate_up", "down"):  # routed experts [E, in, out]
+            if self.expert_parallel:  # whole experts per device: the checkpoint's layout
+                return P(AXIS), x
             if leaf == "gate_up":
                 x = shard_major(x, (x.shape[-1] // 2,) * 2, n)
-            if self.expert_parallel:
-                return P(AXIS), x
             return (P(None, None, AXIS) if leaf == "gate_up" else P(None, AXIS)), x
         kd, vd = cfg.linear_key_dim, cfg.linear_value_dim
         if leaf in PER_HEAD:

@@ -1,8 +1,8 @@
 """Tensor / expert parallelism on four forced host devices, against the same model on one device.
 
-Every family (GDN + gated attention, fused Qwen3-Next projections, KDA + MLA + sigmoid routing,
-softmax-routed experts split by intermediate and by expert id, plain attention) runs one schedule
-through ``runner.step`` on one device and split over 2 and 4 devices: a prefill step that snapshots
+Every family (GDN + gated attention, dense and with experts split by intermediate; fused Qwen3-Next
+projections and KDA + MLA + sigmoid routing, with experts split by expert id; plain attention) runs
+one schedule through ``runner.step`` on one device and split over 2 and 4 devices: a prefill step that snapshots
 a row at 64, a decode step, and a mixed step whose new row restores that snapshot (a hit) beside a
 decode. Every row's fp32 logits must agree with one device's to float rounding (the split only
 reorders sums), the params and pools must really be split (each device holds 1/n of the heads),
@@ -41,8 +41,9 @@ HYBRID = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_l
               linear_num_value_heads=8, rms_norm_eps=1e-6, max_position_embeddings=4096, eos_token_id=511,
               rope_parameters=ROPE)
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
-# name -> (HF config, expert_parallel): experts split by intermediate for qwen3_5_moe and kimi_linear,
-# by expert id for qwen3_next. KV heads: 2, so TP=4 replicates them (qwen3: 1, replicated at 2 too).
+# name -> (HF config, expert_parallel): experts split by intermediate for qwen3_5_moe, by expert id
+# (under shard_map, tests/parallel/test_expert_parallel.py) for qwen3_next and kimi_linear. KV heads:
+# 2, so TP=4 replicates them (qwen3: 1, replicated at 2 too).
 FAMILIES = {
     "qwen3_5": ({**HYBRID, "model_type": "qwen3_5_text", "tie_word_embeddings": True}, False),
     "qwen3_5_moe": ({**HYBRID, **MOE, "model_type": "qwen3_5_moe_text", "tie_word_embeddings": False}, False),
@@ -55,7 +56,7 @@ FAMILIES = {
                          topk_group=1, first_k_dense_replace=0, n_shared_experts=1, moe_intermediate_size=32,
                          linear_attn_config={"kda_layers": [1], "full_attn_layers": [2], "head_dim": 16,
                                              "num_heads": 4, "short_conv_kernel_size": 4},
-                         eos_token_id=511), False),
+                         eos_token_id=511), True),
     "qwen3": (dict(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6,
                    max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=511,
@@ -141,6 +142,7 @@ def test_logits_equal_one_device(family, n):
     if "gate_up" in mlp:
         ep = FAMILIES[name][1]
         assert per_device(mlp["gate_up"], 0 if ep else 2) and per_device(mlp["down"], 0 if ep else 1)
+        assert cfg.expert_parallel == ep
         assert per_device(mlp["shared_expert"]["down_proj"]["w"], 0)
     else:
         assert per_device(mlp["up_proj"]["w"], 1)
