@@ -311,11 +311,25 @@ def check_chunked(kind, ragged, dtype, mm_dtype, prep, seed, interpret=False):
     T = 300 if interpret else CH_TOKENS
     x, cu, init, start, snap_seq, snap_len = chunked_inputs(rng, kind=kind, T=T, ragged=ragged, dtype=dtype,
                                                             interpret=interpret)
+    kernel = lambda x, idx: gdn_chunked_pallas(**x, **idx, matmul_dtype=mm_dtype, prep_precision=prep,  # noqa: E731
+                                               interpret=interpret)
+    ref = kda_chunked if kind == "kda" else gdn_chunked
+    mm, dt = jnp.dtype(mm_dtype).type, jnp.dtype(dtype).type
+    res = dict(kernel=f"{kind}_chunked", variant=chunked_variant(mm_dtype, prep), B=len(cu) - 1,
+               dtype=jnp.dtype(dtype).name, seed=seed, tokens=int(cu[-1]), T=T, ragged=ragged,
+               **compare_prefill(kernel, ref, rng, x, dtype, cu, init, start, snap_seq, snap_len))
+    return with_verdict(res, max(CH_O_TOL[mm], CH_O_TOL[dt]), CH_STATE_TOL[mm])
+
+
+def compare_prefill(kernel, reference, rng, x, dtype, cu, init, start, snap_seq, snap_len):
+    """A chunked prefill ``kernel`` ``(inputs, indices) -> (o, final, snapshots)`` against the float64
+    oracle (on a few random heads) and the jnp ``reference``: the measurements of a ragged prefill
+    record (``with_verdict``'s inputs among them). The kernel runs twice under ``jit``: the first
+    call's time, then the second must give bit-identical results."""
     xd = {n: jnp.asarray(a, dtype) for n, a in x.items()}
     idx = dict(cu_seqlens=jnp.asarray(cu), initial_state=jnp.asarray(init), start_pos=jnp.asarray(start),
                snapshot_seq=jnp.asarray(snap_seq), snapshot_len=jnp.asarray(snap_len))
-    kernel = jax.jit(lambda x, idx: gdn_chunked_pallas(**x, **idx, matmul_dtype=mm_dtype, prep_precision=prep,
-                                                       interpret=interpret))
+    kernel = jax.jit(kernel)
     t0 = time.perf_counter()
     o, fin, snaps = jax.block_until_ready(kernel(xd, idx))
     first_call_s = time.perf_counter() - t0
@@ -324,28 +338,21 @@ def check_chunked(kind, ragged, dtype, mm_dtype, prep, seed, interpret=False):
                          and np.array_equal(np.asarray(fin2), np.asarray(fin))
                          and np.array_equal(np.asarray(snaps2), np.asarray(snaps)))
     o, fin, snaps = np.asarray(o.astype(jnp.float32)), np.asarray(fin), np.asarray(snaps)
-    ref = kda_chunked if kind == "kda" else gdn_chunked
-    o_j, fin_j, snaps_j = jax.jit(lambda x, idx: ref(**x, **idx))(xd, idx)
+    o_j, fin_j, snaps_j = jax.jit(lambda x, idx: reference(**x, **idx))(xd, idx)
     o_j, fin_j, snaps_j = np.asarray(o_j.astype(jnp.float32)), np.asarray(fin_j), np.asarray(snaps_j)
     Hv = x["v"].shape[1]
     heads = np.sort(rng.choice(Hv, min(CH_ORACLE_HEADS, Hv), replace=False))
     o64, fin64, snaps64 = chunked_oracle64(x, cu, init, snap_seq, snap_len, heads)
     n_real = int(cu[-1])
-    mm, dt = jnp.dtype(mm_dtype).type, jnp.dtype(dtype).type
-    state_tol = CH_STATE_TOL[mm]
-    o_tol = max(CH_O_TOL[mm], CH_O_TOL[dt])
-    res = dict(kernel=f"{kind}_chunked", variant=chunked_variant(mm_dtype, prep), B=len(cu) - 1,
-               dtype=jnp.dtype(dtype).name, seed=seed, tokens=n_real, T=T, ragged=ragged,
-               snapshots=len(snap_seq), oracle_heads=heads.tolist(),
-               o_rel_err=rel(o[:n_real, heads], o64[:n_real]),
-               state_rel_err=rel(np.concatenate([fin[:, heads], snaps[:, heads]]), np.concatenate([fin64, snaps64])),
-               o_rel_err_vs_jnp=rel(o[:n_real], o_j[:n_real]),
-               state_rel_err_vs_jnp=rel(np.concatenate([fin, snaps]), np.concatenate([fin_j, snaps_j])),
-               jnp_o_rel_err=rel(o_j[:n_real, heads], o64[:n_real]),
-               finite=bool(np.isfinite(o).all() and np.isfinite(fin).all() and np.isfinite(snaps).all()),
-               padding_zero=bool((o[n_real:] == 0).all()), deterministic=deterministic,
-               first_call_s=round(first_call_s, 2))
-    return with_verdict(res, o_tol, state_tol)
+    return dict(snapshots=len(snap_seq), oracle_heads=heads.tolist(),
+                o_rel_err=rel(o[:n_real, heads], o64[:n_real]),
+                state_rel_err=rel(np.concatenate([fin[:, heads], snaps[:, heads]]), np.concatenate([fin64, snaps64])),
+                o_rel_err_vs_jnp=rel(o[:n_real], o_j[:n_real]),
+                state_rel_err_vs_jnp=rel(np.concatenate([fin, snaps]), np.concatenate([fin_j, snaps_j])),
+                jnp_o_rel_err=rel(o_j[:n_real, heads], o64[:n_real]),
+                finite=bool(np.isfinite(o).all() and np.isfinite(fin).all() and np.isfinite(snaps).all()),
+                padding_zero=bool((o[n_real:] == 0).all()), deterministic=deterministic,
+                first_call_s=round(first_call_s, 2))
 
 
 def with_verdict(res, o_tol, state_tol):
@@ -399,35 +406,10 @@ def check_fused(kind, ragged, gate, seed, interpret=False):
     x, cu, init, start, snap_seq, snap_len = chunked_inputs(rng, kind=kind, T=T, ragged=ragged, dtype=dtype,
                                                             interpret=interpret)
     x["g"] = np.asarray(jnp.asarray(-rng.uniform(0, gate, size=x["g"].shape), dtype).astype(jnp.float32))
-    xd = {n: jnp.asarray(a, dtype) for n, a in x.items()}
-    idx = dict(cu_seqlens=jnp.asarray(cu), initial_state=jnp.asarray(init), start_pos=jnp.asarray(start),
-               snapshot_seq=jnp.asarray(snap_seq), snapshot_len=jnp.asarray(snap_len))
-    kernel = jax.jit(lambda x, idx: fused(**x, **idx, interpret=interpret))
-    t0 = time.perf_counter()
-    o, fin, snaps = jax.block_until_ready(kernel(xd, idx))
-    first_call_s = time.perf_counter() - t0
-    o2, fin2, snaps2 = kernel(xd, idx)
-    deterministic = bool(np.array_equal(np.asarray(o2.astype(jnp.float32)), np.asarray(o.astype(jnp.float32)))
-                         and np.array_equal(np.asarray(fin2), np.asarray(fin))
-                         and np.array_equal(np.asarray(snaps2), np.asarray(snaps)))
-    o, fin, snaps = np.asarray(o.astype(jnp.float32)), np.asarray(fin), np.asarray(snaps)
-    o_j, fin_j, snaps_j = jax.jit(lambda x, idx: chunked(**x, **idx))(xd, idx)
-    o_j, fin_j, snaps_j = np.asarray(o_j.astype(jnp.float32)), np.asarray(fin_j), np.asarray(snaps_j)
-    Hv = x["v"].shape[1]
-    heads = np.sort(rng.choice(Hv, min(CH_ORACLE_HEADS, Hv), replace=False))
-    o64, fin64, snaps64 = chunked_oracle64(x, cu, init, snap_seq, snap_len, heads)
-    n_real = int(cu[-1])
+    kernel = lambda x, idx: fused(**x, **idx, interpret=interpret)  # noqa: E731
     res = dict(kernel=f"{kind}_chunk_fused", variant=f"{kind}_fused_bf16mm", B=len(cu) - 1, dtype="bfloat16", seed=seed,
-               tokens=n_real, T=T, ragged=ragged, max_gate=gate, snapshots=len(snap_seq),
-               oracle_heads=heads.tolist(),
-               o_rel_err=rel(o[:n_real, heads], o64[:n_real]),
-               state_rel_err=rel(np.concatenate([fin[:, heads], snaps[:, heads]]), np.concatenate([fin64, snaps64])),
-               o_rel_err_vs_jnp=rel(o[:n_real], o_j[:n_real]),
-               state_rel_err_vs_jnp=rel(np.concatenate([fin, snaps]), np.concatenate([fin_j, snaps_j])),
-               jnp_o_rel_err=rel(o_j[:n_real, heads], o64[:n_real]),
-               finite=bool(np.isfinite(o).all() and np.isfinite(fin).all() and np.isfinite(snaps).all()),
-               padding_zero=bool((o[n_real:] == 0).all()), deterministic=deterministic,
-               first_call_s=round(first_call_s, 2))
+               tokens=int(cu[-1]), T=T, ragged=ragged, max_gate=gate,
+               **compare_prefill(kernel, chunked, rng, x, dtype, cu, init, start, snap_seq, snap_len))
     return with_verdict(res, CH_O_TOL[jnp.bfloat16], CH_STATE_TOL[jnp.bfloat16])
 
 

@@ -825,23 +825,11 @@ def run_chunked_jax(case, allowed=None):
     """Ours (each WGMMA operand dtype gpu_check passed) and ``gdn_chunked`` (GDN) or ``kda_chunked``
     (KDA) under XLA: a jitted chain of ``steps`` prefill calls, each one's final states the next
     one's initial states (donated)."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
     from pallas_kernels.gdn_chunked import gdn_chunked_pallas
     from pallas_kernels.gdn_reference import gdn_chunked
     from pallas_kernels.kda_reference import kda_chunked
 
-    lens, start, snap = chunked_layout(case)
-    steps = 1 if os.environ.get("KERNELS_SMOKE") or case["tokens"] > 16384 else 4
-    x = chunked_inputs_np(case)
-    dt = dict(q=jnp.bfloat16, k=jnp.bfloat16, v=jnp.bfloat16, g=jnp.float32, beta=jnp.bfloat16)
-    xd = {n: jnp.asarray(a, dt[n]) for n, a in x.items()}
-    idx = dict(cu_seqlens=jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32),
-               start_pos=jnp.asarray(start), snapshot_seq=jnp.arange(len(lens), dtype=jnp.int32),
-               snapshot_len=jnp.asarray(snap))
-    interpret = bool(os.environ.get("KERNELS_SMOKE"))
+    idx, interpret = chunked_indices(case)
     fns, out = {}, {}
     for name, (mm, prep) in CHUNKED_VARIANTS.items():
         if allowed is not None and name not in allowed:
@@ -851,6 +839,33 @@ def run_chunked_jax(case, allowed=None):
             **x, **idx, initial_state=s, matmul_dtype=mm, prep_precision=prep, interpret=interpret))(mm, prep)
     reference = kda_chunked if case["kind"] == "kda" else gdn_chunked
     fns["jnp"] = lambda x, s: reference(**x, **idx, initial_state=s)
+    return time_chunked(case, fns, out, width=20)
+
+
+def chunked_indices(case):
+    """The chunked suites' ragged arguments on the device (``cu_seqlens``, ``start_pos``, one
+    snapshot per sequence) and whether to interpret (``KERNELS_SMOKE``, the CPU smoke run)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    lens, start, snap = chunked_layout(case)
+    idx = dict(cu_seqlens=jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32),
+               start_pos=jnp.asarray(start), snapshot_seq=jnp.arange(len(lens), dtype=jnp.int32),
+               snapshot_len=jnp.asarray(snap))
+    return idx, bool(os.environ.get("KERNELS_SMOKE"))
+
+
+def time_chunked(case, fns, out, width):
+    """Time each of ``fns`` (``(inputs, state) -> (o, state, snapshots)``) into ``out[name]``: a jitted
+    chain of ``steps`` prefill calls on the case's bf16 inputs (fp32 g), each one's final states the
+    next one's initial states (donated). Returns ``out``; ``width`` aligns the printed names."""
+    import jax
+    import jax.numpy as jnp
+
+    lens, _, _ = chunked_layout(case)
+    steps = 1 if os.environ.get("KERNELS_SMOKE") or case["tokens"] > 16384 else 4
+    dt = dict(q=jnp.bfloat16, k=jnp.bfloat16, v=jnp.bfloat16, g=jnp.float32, beta=jnp.bfloat16)
+    xd = {n: jnp.asarray(a, dt[n]) for n, a in chunked_inputs_np(case).items()}
 
     def make_chain(call):
         call = jax.jit(call)
@@ -875,7 +890,7 @@ def run_chunked_jax(case, allowed=None):
         if "kernel_ms" in res:
             res["tflops"] = round(res["flops"] / (res["kernel_ms"] * 1e-3) / 1e12, 2)
         out[name] = res
-        print(f"  {name:20} {json.dumps(res)}", flush=True)
+        print(f"  {name:{width}} {json.dumps(res)}", flush=True)
     return out
 
 
@@ -954,22 +969,10 @@ def fused_kernel(kind):
 def run_fused_jax(case, allowed=None):
     """Ours (if gpu_check passed it) and today's split kernel as the same-run baseline: a jitted
     chain of ``steps`` prefill calls, each one's final states the next one's initial states."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
     from pallas_kernels.gdn_chunked import gdn_chunked_pallas
 
     fused, variant = fused_kernel(case["kind"]), FUSED_VARIANTS[case["kind"]]
-    lens, start, snap = chunked_layout(case)
-    steps = 1 if os.environ.get("KERNELS_SMOKE") or case["tokens"] > 16384 else 4
-    x = chunked_inputs_np(case)
-    dt = dict(q=jnp.bfloat16, k=jnp.bfloat16, v=jnp.bfloat16, g=jnp.float32, beta=jnp.bfloat16)
-    xd = {n: jnp.asarray(a, dt[n]) for n, a in x.items()}
-    idx = dict(cu_seqlens=jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32),
-               start_pos=jnp.asarray(start), snapshot_seq=jnp.arange(len(lens), dtype=jnp.int32),
-               snapshot_len=jnp.asarray(snap))
-    interpret = bool(os.environ.get("KERNELS_SMOKE"))
+    idx, interpret = chunked_indices(case)
     fns, out = {}, {}
     if allowed is not None and variant not in allowed:
         out[f"ours_{variant}"] = dict(error="not run: failed or missing in gpu_check")
@@ -977,32 +980,7 @@ def run_fused_jax(case, allowed=None):
         fns[f"ours_{variant}"] = lambda x, s: fused(**x, **idx, initial_state=s, interpret=interpret)
     fns["baseline_chunked_bf16mm"] = lambda x, s: gdn_chunked_pallas(
         **x, **idx, initial_state=s, matmul_dtype="bfloat16", interpret=interpret)
-
-    def make_chain(call):
-        call = jax.jit(call)
-
-        def chain(state, x):
-            outs = []
-            for _ in range(steps):
-                o, state, snaps = call(x, state)
-                outs.append((o, snaps))
-            return state, outs
-        return jax.jit(chain, donate_argnums=(0,))
-
-    shape = (len(lens), case["Hv"], case["dk"], case["dv"])
-    for name, call in fns.items():
-        state = jax.random.normal(jax.random.key(1), shape, jnp.float32) * 0.1
-        try:
-            hlo_name = "-".join(fused_case_key(case)).replace(" ", "_").replace("(", "").replace(")", "") + f"-{name}"
-            _, res = time_jax_chain(make_chain(call), state, (xd,), steps, hlo_name=hlo_name)
-        except Exception as e:  # noqa: BLE001
-            res = dict(error=f"{type(e).__name__}: {str(e)[:600]}")
-        res.update(steps=steps, flops=chunked_flops(case))
-        if "kernel_ms" in res:
-            res["tflops"] = round(res["flops"] / (res["kernel_ms"] * 1e-3) / 1e12, 2)
-        out[name] = res
-        print(f"  {name:24} {json.dumps(res)}", flush=True)
-    return out
+    return time_chunked(case, fns, out, width=24)
 
 
 # ------------------------------------------------------------------------------------------------

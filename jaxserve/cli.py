@@ -313,7 +313,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "dispatched while step N runs, hiding the host's time)")
     p.add_argument("--kernels", default=d["kernels"],
                    help="mixer backends: auto (on a GPU, the kernels verified there), jnp, pallas (the Pallas "
-                        "Mosaic GPU kernels), or a list of them: gdn_prefill,gdn_decode,paged_attention "
+                        "Mosaic GPU kernels but prefill_fused), or a list of them from gdn_decode, gdn_prefill, "
+                        "paged_attention, conv1d, moe, prefill_fused (the fused whole-chunk GDN / KDA prefill, "
+                        "unverified on a GPU; instead of gdn_prefill), e.g. prefill_fused,gdn_decode "
                         "(default: %(default)s)")
     p.add_argument("--mem-fraction", type=float, default=d["mem_fraction"], metavar="F",
                    help="share of the device's memory for params, pools and the largest step's temporaries "

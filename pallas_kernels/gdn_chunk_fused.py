@@ -63,7 +63,8 @@ Contract: ``g [T, Hv]`` (GDN's scalar gate per head), ``dk`` in {64, 128}, ``dv 
 
 Status: checked in interpret mode only; not yet measured on a GPU. ``benchmarks/gpu_check.py
 --suites gdn_fused`` checks it on the device and ``benchmarks/kernels.py --only gdn_fused`` times it
-beside ``gdn_chunked`` and fla; it is not in ``jaxserve.models.backends.AUTO_ON_GPU``.
+beside ``gdn_chunked`` and fla; it is not in ``jaxserve.models.backends.AUTO_ON_GPU``. The engine
+runs it for GDN layers where ``--kernels`` names ``prefill_fused`` (``gated_deltanet.prefill_kernel``).
 """
 
 from __future__ import annotations
@@ -76,34 +77,21 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.gdn_chunked import _layout_requests, _transforms
-from pallas_kernels.kda_reference import (
-    _from_grid,
-    _snapshot_valid,
-    _to_grid,
-    chunk_layout,
-    l2norm,
-    prepare_chunked_args,
+from pallas_kernels.gdn_chunked import (
+    _layout_requests,
+    _products,
+    _transforms,
+    chunk_kernel,
+    gather_states,
+    run_chunked,
 )
+from pallas_kernels.gdn_reference import _per_head_gate
+from pallas_kernels.kda_reference import _to_grid, chunk_layout, l2norm
 
 CHUNK = 64
 BLOCK_DV = 64  # state columns per program: one WGMMA row group, and the chunk's row count
 SMEM_BYTES = 227 * 1024  # per block on sm_90
 GPU_MATMUL_DTYPES = ("bfloat16", "float16")
-
-
-def _products(*groups):
-    """For each ``(pairs, shape)`` group, ``Σ a @ b`` over its ``pairs`` of SMEM operands on the
-    tensor cores into a fresh fp32 accumulator; every group is issued before any result is read
-    back (reading waits for all of them). Fresh accumulators only: the GPU interpreter has no rule
-    for the discharged WGMMA that ``run_state`` produces."""
-    def fn(*accs):
-        for acc, (pairs, _) in zip(accs, groups):
-            for a, b in pairs:
-                plgpu.wgmma(acc, a, b)
-        return tuple(acc[...] for acc in accs)
-
-    return pl.run_scoped(fn, *(plgpu.ACC(shape, jnp.float32) for _, shape in groups))
 
 
 def _row(v, shape):
@@ -158,6 +146,30 @@ def load_initial_state(src, bar):
     return pl.run_scoped(load, plgpu.SMEM(src.shape, jnp.float32, transforms=_transforms(jnp.float32)))
 
 
+def apply_inverse(t_smem, w_smem, v_smem):
+    """``w = T (beta k e^G)`` and ``uᵀ = (beta v)ᵀ Tᵀ`` from ``T``, ``beta k e^G`` (in ``w_smem``) and
+    ``beta v`` in SMEM: ``w`` overwrites its operand once read back (committed); returns ``uᵀ``
+    [64, 64] fp32 in registers."""
+    w, ut = _products(([(t_smem, w_smem)], w_smem.shape), ([(v_smem.T, t_smem.T)], (BLOCK_DV, CHUNK)))
+    w_smem[...] = w.astype(w_smem.dtype)
+    plgpu.commit_smem()
+    return ut
+
+
+def recurrence(s, ut, decay, s_smem, w_smem, vn_smem, q_smem, qk_smem, k_smem):
+    """One chunk of the state recurrence on the transposed state ``s = Sᵀ`` [64, dk] (fp32 registers;
+    its operand copy already in ``s_smem``): ``v_newᵀ = uᵀ - Sᵀ wᵀ``, then ``oᵀ = Sᵀ (q e^G)ᵀ +
+    v_newᵀ qkᵀ`` and ``Sᵀ ← decay ⊙ Sᵀ + v_newᵀ (k e^(G_last - G))`` with their products issued
+    together. ``q_smem`` / ``k_smem`` hold ``q e^G`` / ``k e^(G_last - G)``; ``decay`` is ``e^G_last``
+    broadcast to ``s``'s shape. Returns ``(oᵀ, S_newᵀ)``."""
+    (ws,) = _products(([(s_smem, w_smem.T)], (BLOCK_DV, CHUNK)))
+    vn_smem[...] = (ut - ws).astype(vn_smem.dtype)
+    plgpu.commit_smem()
+    o, kv = _products(([(s_smem, q_smem.T), (vn_smem, qk_smem.T)], (BLOCK_DV, CHUNK)),
+                      ([(vn_smem, k_smem)], s.shape))
+    return o, decay * s + kv
+
+
 def write_chunk_outputs(o, s_new, out_row, o_dst, st_ref, h, cols):
     """A chunk's ``oᵀ`` to ``o_dst`` and, when its end is a requested state (``out_row`` below the
     rows of the compact ``st_ref [R, Hv, dv, dk]``), ``Sᵀ`` to that row, staged through one scoped
@@ -184,18 +196,11 @@ def write_chunk_outputs(o, s_new, out_row, o_dst, st_ref, h, cols):
                   plgpu.SMEM(s_new.shape, f32, transforms=_transforms(f32)))
 
 
-def gather_states(ot, states_t, layout, req_seq, row, initial_state, cu_seqlens, snapshot_seq, snapshot_len,
-                  start_pos):
-    """The kernel's ``oᵀ`` grid and compact transposed states -> ``(o [T, Hv, dv] fp32, final,
-    snapshots)``: requests without a chunk (length 0) take the initial state, unavailable ones NaN."""
-    num_seqs = cu_seqlens.shape[0] - 1
-    num_rows = req_seq.shape[0]
-    o = _from_grid(jnp.swapaxes(ot, -1, -2), layout)
-    states = jnp.swapaxes(jnp.take(states_t, jnp.minimum(row, num_rows - 1), axis=0), -1, -2)
-    states = jnp.where((row < num_rows)[:, None, None, None], states, initial_state[req_seq])
-    final, snaps = states[:num_seqs], states[num_seqs:]
-    valid = _snapshot_valid(cu_seqlens, snapshot_seq, snapshot_len, start_pos, CHUNK)
-    return o, final, jnp.where(valid[:, None, None, None], snaps, jnp.nan)
+def program(first_ref, nchunks_ref, group):
+    """This program's sequence ``n``, value head ``h``, key head (``h // group``), first chunk, chunk
+    count and state columns (``BLOCK_DV`` of them) on the fused kernels' ``("n", "h", "j")`` grid."""
+    n, h, j = (lax.axis_index(axis) for axis in ("n", "h", "j"))
+    return n, h, h // group, first_ref[n], nchunks_ref[n], pl.ds(j * BLOCK_DV, BLOCK_DV)
 
 
 def _kernel(first_ref, nchunks_ref, slot_ref, init_ref, q_ref, k_ref, v_ref, gb_ref,
@@ -203,13 +208,7 @@ def _kernel(first_ref, nchunks_ref, slot_ref, init_ref, q_ref, k_ref, v_ref, gb_
             q_smem, k_smem, v_smem, gb_smem, t_smem, w_smem, qk_smem, s_smem, vn_smem, bars,
             *, group, mm_dtype):
     """One (sequence, value head, 64 state columns): walk the sequence's chunks with ``Sᵀ`` in registers."""
-    n = lax.axis_index("n")
-    h = lax.axis_index("h")
-    j = lax.axis_index("j")
-    hk = h // group
-    c0 = first_ref[n]
-    nc = nchunks_ref[n]
-    cols = pl.ds(j * BLOCK_DV, BLOCK_DV)
+    n, h, hk, c0, nc, cols = program(first_ref, nchunks_ref, group)
     dk = q_smem.shape[-1]
     f32 = jnp.float32
     tile = plgpu.Layout.WGMMA
@@ -279,19 +278,8 @@ def _kernel(first_ref, nchunks_ref, slot_ref, init_ref, q_ref, k_ref, v_ref, gb_
         s_smem[...] = s.astype(mm_dtype)
         plgpu.commit_smem()
 
-        # w = T (beta k e^G) and uᵀ = (beta v)ᵀ Tᵀ; w overwrites its operand once read back.
-        w, ut = _products(([(t_smem, w_smem)], (C, dk)), ([(v_s.T, t_smem.T)], (BLOCK_DV, C)))
-        w_smem[...] = w.astype(mm_dtype)
-        plgpu.commit_smem()
-
-        # The recurrence: v_newᵀ = uᵀ - Sᵀ wᵀ, then oᵀ and the state update issued together.
-        (ws,) = _products(([(s_smem, w_smem.T)], (BLOCK_DV, C)))
-        vn_smem[...] = (ut - ws).astype(mm_dtype)
-        plgpu.commit_smem()
-        o, kv = _products(([(s_smem, q_s.T), (vn_smem, qk_smem.T)], (BLOCK_DV, C)),
-                          ([(vn_smem, k_s)], (BLOCK_DV, dk)))
-        s_new = _row(jnp.exp(G_last), (BLOCK_DV, dk)) * s + kv
-
+        ut = apply_inverse(t_smem, w_smem, v_s)
+        o, s_new = recurrence(s, ut, _row(jnp.exp(G_last), (BLOCK_DV, dk)), s_smem, w_smem, vn_smem, q_s, qk_smem, k_s)
         write_chunk_outputs(o, s_new, out_row, ot_ref.at[c, h, cols], st_ref, h, cols)
         return s_new
 
@@ -310,17 +298,13 @@ def smem_bytes(dk: int, matmul_dtype) -> int:
     return inputs + persistent + scoped + 1024  # + barriers, alignment
 
 
-def supports(dk: int, dv: int, matmul_dtype=jnp.bfloat16) -> bool:
-    """Whether the fused kernel takes these head dims on the GPU (``_check`` states the rules)."""
-    return (dk in (64, 128) and dv % BLOCK_DV == 0 and jnp.dtype(matmul_dtype).name in GPU_MATMUL_DTYPES
-            and smem_bytes(dk, matmul_dtype) <= SMEM_BYTES)
-
-
-def _check(q, v, g, chunk_size, matmul_dtype, interpret):
-    dk, dv = q.shape[-1], v.shape[-1]
+def tiling_problems(dk: int, dv: int, chunk_size: int, matmul_dtype, interpret: bool, *,
+                    gpu_dtypes=GPU_MATMUL_DTYPES, smem=smem_bytes) -> list[str]:
+    """What the fused kernels (this one and ``kda_chunk_fused``, which passes its own ``gpu_dtypes``
+    and ``smem``) cannot take; empty when they can. 64-token chunks, ``dk`` in {64, 128}, 64 state
+    columns per program; on the GPU operands in ``gpu_dtypes`` within the SMEM budget, while the
+    interpreter also takes fp32 operands and has no SMEM limit."""
     problems = []
-    if g.shape != v.shape[:2]:
-        problems.append(f"GDN gate g {g.shape} must be [T, Hv] = {v.shape[:2]}")
     if chunk_size != CHUNK:
         problems.append(f"chunk_size={chunk_size}: the kernel is built for {CHUNK}")
     if dk not in (64, 128):
@@ -328,20 +312,34 @@ def _check(q, v, g, chunk_size, matmul_dtype, interpret):
     if dv % BLOCK_DV:
         problems.append(f"dv={dv} must be a multiple of {BLOCK_DV}")
     name = jnp.dtype(matmul_dtype).name
-    if name not in GPU_MATMUL_DTYPES and not (interpret and name == "float32"):
-        problems.append(f"matmul_dtype={name}: {GPU_MATMUL_DTYPES} on the GPU (float32 in interpret mode only)")
-    if smem_bytes(dk, matmul_dtype) > SMEM_BYTES and not interpret:
-        problems.append(f"dk={dk} with {name} operands needs {smem_bytes(dk, matmul_dtype)} bytes of SMEM")
+    if name not in gpu_dtypes and not (interpret and name == "float32"):
+        problems.append(f"matmul_dtype={name}: {gpu_dtypes} on the GPU (float32 in interpret mode only)")
+    elif smem(dk, matmul_dtype) > SMEM_BYTES and not interpret:
+        problems.append(f"dk={dk} with {name} operands needs {smem(dk, matmul_dtype)} bytes of SMEM")
+    return problems
+
+
+def check_tiling(kernel: str, problems: list[str]) -> None:
+    """ValueError naming ``kernel`` and every one of ``problems``, if any."""
     if problems:
-        raise ValueError("gdn_chunk_fused: " + "; ".join(problems))
+        raise ValueError(f"{kernel}: " + "; ".join(problems))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "max_chunks", "matmul_dtype", "interpret"))
-def _fused(q, k, v, g, beta, cu_seqlens, initial_state, snapshot_seq, snapshot_len, start_pos,
-           *, scale, use_qk_l2norm, max_chunks, matmul_dtype, interpret):
+def supports(dk: int, dv: int, matmul_dtype=jnp.bfloat16, interpret: bool = False) -> bool:
+    """Whether the fused kernel takes these head dims (``tiling_problems`` states the rules)."""
+    return not tiling_problems(dk, dv, CHUNK, matmul_dtype, interpret)
+
+
+def launch_fused(body, scratch, gate_inputs, q, k, v, cu_seqlens, initial_state, snapshot_seq, snapshot_len,
+                 start_pos, *, scale, use_qk_l2norm, max_chunks, matmul_dtype, interpret):
+    """The fused kernels' XLA pass around their kernel (this one's and ``kda_chunk_fused``'s; module
+    docstring): q and k L2-normalised (q then scaled) in fp32, q, k and v in the operand dtype on
+    the absolute chunk grid beside the gate arrays ``gate_inputs(grid)`` lays there, the chunks that
+    hold requested states, one launch of ``body`` over ``scratch``, the results back in token order.
+    The kernel's inputs are, in order: first chunk and chunk count per sequence, each chunk's state
+    row, the transposed initial states, q, k, v, then the gate arrays."""
     T, Hv, dv = v.shape
-    Hk, dk = q.shape[1:]
-    num_seqs = cu_seqlens.shape[0] - 1
+    dk = q.shape[-1]
     f32, mm = jnp.float32, jnp.dtype(matmul_dtype)
     q, k = q.astype(f32), k.astype(f32)
     if use_qk_l2norm:
@@ -349,10 +347,22 @@ def _fused(q, k, v, g, beta, cu_seqlens, initial_state, snapshot_seq, snapshot_l
     q = q * (dk ** -0.5 if scale is None else scale)
     layout = chunk_layout(cu_seqlens, start_pos, T, CHUNK, max_chunks)
     grid = functools.partial(_to_grid, layout=layout, max_chunks=max_chunks, chunk_size=CHUNK)
-    gb = jnp.swapaxes(grid(jnp.stack([g.astype(f32), beta.astype(f32)], axis=-1)), -1, -2)  # [M, Hv, 2, C]
     req_seq, row, slot_of_chunk = _layout_requests(layout, cu_seqlens, snapshot_seq, snapshot_len,
                                                    max_chunks, CHUNK)
-    num_rows = req_seq.shape[0]
+    kernel = chunk_kernel(body, scratch, num_seqs=cu_seqlens.shape[0] - 1, num_rows=req_seq.shape[0],
+                          max_chunks=max_chunks, Hv=Hv, dv=dv, dk=dk, block_dv=BLOCK_DV, interpret=interpret)
+    ot, states_t = kernel(layout.first_chunk.astype(jnp.int32), layout.num_chunks.astype(jnp.int32),
+                          slot_of_chunk, jnp.swapaxes(initial_state, -1, -2),
+                          grid(q.astype(mm)), grid(k.astype(mm)), grid(v.astype(mm)), *gate_inputs(grid))
+    return gather_states(ot, states_t, layout, req_seq, row, initial_state, cu_seqlens, snapshot_seq,
+                         snapshot_len, start_pos)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "max_chunks", "matmul_dtype", "interpret"))
+def _fused(q, k, v, g, beta, cu_seqlens, initial_state, snapshot_seq, snapshot_len, start_pos,
+           *, scale, use_qk_l2norm, max_chunks, matmul_dtype, interpret):
+    Hv, Hk, dk = v.shape[1], q.shape[1], q.shape[-1]
+    f32, mm = jnp.float32, jnp.dtype(matmul_dtype)
     scratch = [
         plgpu.SMEM((2, CHUNK, dk), mm, transforms=_transforms(mm)),        # q, then q e^G
         plgpu.SMEM((2, CHUNK, dk), mm, transforms=_transforms(mm)),        # k, then k e^(G_last - G)
@@ -365,21 +375,13 @@ def _fused(q, k, v, g, beta, cu_seqlens, initial_state, snapshot_seq, snapshot_l
         plgpu.SMEM((BLOCK_DV, CHUNK), mm, transforms=_transforms(mm)),     # v_newᵀ
         plgpu.Barrier(num_barriers=9),                                     # 2 x (q, k, v, gb), initial state
     ]
-    kernel = plgpu.kernel(
-        functools.partial(_kernel, group=Hv // Hk, mm_dtype=mm),
-        out_type=(jax.ShapeDtypeStruct((max_chunks, Hv, dv, CHUNK), f32),
-                  jax.ShapeDtypeStruct((num_rows, Hv, dv, dk), f32)),
-        grid=(num_seqs, Hv, dv // BLOCK_DV),
-        grid_names=("n", "h", "j"),
-        scratch_types=scratch,
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )
-    ot, states_t = kernel(layout.first_chunk.astype(jnp.int32), layout.num_chunks.astype(jnp.int32),
-                          slot_of_chunk, jnp.swapaxes(initial_state, -1, -2),
-                          grid(q.astype(mm)), grid(k.astype(mm)), grid(v.astype(mm)), gb)
-    return gather_states(ot, states_t, layout, req_seq, row, initial_state, cu_seqlens, snapshot_seq,
-                         snapshot_len, start_pos)
+
+    def gate_inputs(grid):  # g and beta side by side: [M, Hv, 2, C]
+        return (jnp.swapaxes(grid(jnp.stack([g.astype(f32), beta.astype(f32)], axis=-1)), -1, -2),)
+
+    return launch_fused(functools.partial(_kernel, group=Hv // Hk, mm_dtype=mm), scratch, gate_inputs, q, k, v,
+                        cu_seqlens, initial_state, snapshot_seq, snapshot_len, start_pos, scale=scale,
+                        use_qk_l2norm=use_qk_l2norm, max_chunks=max_chunks, matmul_dtype=mm, interpret=interpret)
 
 
 def gdn_chunk_fused(q, k, v, g, beta, *, cu_seqlens, initial_state=None, scale=None, use_qk_l2norm=True,
@@ -397,11 +399,9 @@ def gdn_chunk_fused(q, k, v, g, beta, *, cu_seqlens, initial_state=None, scale=N
     ``matmul_dtype`` (static): operand dtype of the products outside the inverse (bf16 on the GPU;
     fp32 with ``interpret`` only). ``interpret``: Mosaic GPU's interpreter (CPU tests).
     """
-    _check(q, v, g, chunk_size, matmul_dtype, interpret)
-    cu, snap_seq, snap_len, start, init, max_chunks = prepare_chunked_args(
-        q, k, v, g[..., None], beta, cu_seqlens, initial_state, snapshot_seq, snapshot_len, start_pos, CHUNK,
-        max_chunks)
-    o, final, snaps = _fused(q, k, v, g, beta, cu, init, snap_seq, snap_len, start, scale=scale,
-                             use_qk_l2norm=use_qk_l2norm, max_chunks=max_chunks,
-                             matmul_dtype=jnp.dtype(matmul_dtype).name, interpret=interpret)
-    return o.astype(v.dtype), final, (None if snapshot_seq is None else snaps)
+    gate = _per_head_gate(v, g)
+    check_tiling("gdn_chunk_fused", tiling_problems(q.shape[-1], v.shape[-1], chunk_size, matmul_dtype, interpret))
+    return run_chunked(_fused, q, k, v, g, beta, gate=gate, cu_seqlens=cu_seqlens, initial_state=initial_state,
+                       snapshot_seq=snapshot_seq, snapshot_len=snapshot_len, start_pos=start_pos,
+                       max_chunks=max_chunks, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                       matmul_dtype=jnp.dtype(matmul_dtype).name, interpret=interpret)

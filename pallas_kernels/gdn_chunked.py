@@ -277,6 +277,50 @@ def _layout_requests(layout, cu_seqlens, snapshot_seq, snapshot_len, max_chunks,
 PREP_PRECISIONS = {"highest": lax.Precision.HIGHEST, "default": None}
 
 
+def chunk_kernel(body, scratch, *, num_seqs, num_rows, max_chunks, Hv, dv, dk, block_dv, interpret):
+    """The chunked kernels' launch (this module's and ``gdn_chunk_fused`` / ``kda_chunk_fused``): one
+    program per (sequence ``n``, value head ``h``, ``block_dv`` state columns ``j``); outputs ``oᵀ``
+    on the chunk grid ``[max_chunks, Hv, dv, 64]`` and the compact transposed requested states
+    ``[num_rows, Hv, dv, dk]``, both fp32 (``gather_states`` turns them into the contract's results)."""
+    f32 = jnp.float32
+    return plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct((max_chunks, Hv, dv, CHUNK), f32),
+                  jax.ShapeDtypeStruct((num_rows, Hv, dv, dk), f32)),
+        grid=(num_seqs, Hv, dv // block_dv),
+        grid_names=("n", "h", "j"),
+        scratch_types=scratch,
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
+    )
+
+
+def gather_states(ot, states_t, layout, req_seq, row, initial_state, cu_seqlens, snapshot_seq, snapshot_len,
+                  start_pos):
+    """``chunk_kernel``'s ``oᵀ`` grid and compact transposed states -> ``(o [T, Hv, dv] fp32, final,
+    snapshots)``: requests without a chunk (length 0) take the initial state, unavailable ones NaN."""
+    num_seqs = cu_seqlens.shape[0] - 1
+    num_rows = req_seq.shape[0]
+    o = _from_grid(jnp.swapaxes(ot, -1, -2), layout)
+    states = jnp.swapaxes(jnp.take(states_t, jnp.minimum(row, num_rows - 1), axis=0), -1, -2)
+    states = jnp.where((row < num_rows)[:, None, None, None], states, initial_state[req_seq])
+    final, snaps = states[:num_seqs], states[num_seqs:]
+    valid = _snapshot_valid(cu_seqlens, snapshot_seq, snapshot_len, start_pos, CHUNK)
+    return o, final, jnp.where(valid[:, None, None, None], snaps, jnp.nan)
+
+
+def run_chunked(impl, q, k, v, g, beta, *, gate, cu_seqlens, initial_state, snapshot_seq, snapshot_len, start_pos,
+                max_chunks, **static):
+    """The chunked kernels' public entry after their own checks: the references' argument handling
+    (``prepare_chunked_args``, given the gate in its ``[T, Hv, dk | 1]`` form ``gate``), then the
+    jitted ``impl`` (which takes ``g`` in the kernel's own form) with ``static`` keywords; ``o`` back
+    in ``v``'s dtype and no snapshots when none were asked for."""
+    cu, snap_seq, snap_len, start, init, max_chunks = prepare_chunked_args(
+        q, k, v, gate, beta, cu_seqlens, initial_state, snapshot_seq, snapshot_len, start_pos, CHUNK, max_chunks)
+    o, final, snaps = impl(q, k, v, g, beta, cu, init, snap_seq, snap_len, start, max_chunks=max_chunks, **static)
+    return o.astype(v.dtype), final, (None if snapshot_seq is None else snaps)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "max_chunks", "block_dv",
                                              "matmul_dtype", "prep_precision", "interpret"))
 def _chunked_pallas(q, k, v, g, beta, cu_seqlens, initial_state, snapshot_seq, snapshot_len, start_pos,
@@ -326,25 +370,12 @@ def _chunked_pallas(q, k, v, g, beta, cu_seqlens, initial_state, snapshot_seq, s
             smem.insert(1, smem[0])
         _kernel(*ins, *outs, *smem, block_dv=block_dv, per_channel_gate=per_channel_gate, mm_dtype=mm)
 
-    kernel = plgpu.kernel(
-        body,
-        out_type=(jax.ShapeDtypeStruct((max_chunks, Hv, dv, CHUNK), f32),
-                  jax.ShapeDtypeStruct((num_rows, Hv, dv, dk), f32)),
-        grid=(num_seqs, Hv, dv // block_dv),
-        grid_names=("n", "h", "j"),
-        scratch_types=scratch,
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )
+    kernel = chunk_kernel(body, scratch, num_seqs=num_seqs, num_rows=num_rows, max_chunks=max_chunks, Hv=Hv, dv=dv,
+                          dk=dk, block_dv=block_dv, interpret=interpret)
     ot, states_t = kernel(layout.first_chunk.astype(jnp.int32), layout.num_chunks.astype(jnp.int32),
                           slot_of_chunk, decay_last.astype(f32), init_t, w, qd, kdt, ut, qk)
-    o = _from_grid(jnp.swapaxes(ot, -1, -2), layout)
-
-    states = jnp.swapaxes(jnp.take(states_t, jnp.minimum(row, num_rows - 1), axis=0), -1, -2)
-    states = jnp.where((row < num_rows)[:, None, None, None], states, initial_state[req_seq])
-    final, snaps = states[:num_seqs], states[num_seqs:]
-    valid = _snapshot_valid(cu_seqlens, snapshot_seq, snapshot_len, start_pos, CHUNK)
-    return o, final, jnp.where(valid[:, None, None, None], snaps, jnp.nan)
+    return gather_states(ot, states_t, layout, req_seq, row, initial_state, cu_seqlens, snapshot_seq,
+                         snapshot_len, start_pos)
 
 
 SMEM_BYTES = 227 * 1024  # per block on sm_90
@@ -407,13 +438,11 @@ def gdn_chunked_pallas(q, k, v, g, beta, *, cu_seqlens, initial_state=None, scal
             raise ValueError(f"GDN gate g {g.shape} must be [T, Hv] = {v.shape[:2]}")
         g = g[..., None]
     _check_tiling(q, v, block_dv, chunk_size, matmul_dtype)
-    cu, snap_seq, snap_len, start, init, max_chunks = prepare_chunked_args(
-        q, k, v, g, beta, cu_seqlens, initial_state, snapshot_seq, snapshot_len, start_pos, CHUNK, max_chunks)
-    o, final, snaps = _chunked_pallas(q, k, v, g, beta, cu, init, snap_seq, snap_len, start,
-                                      scale=scale, use_qk_l2norm=use_qk_l2norm, max_chunks=max_chunks,
-                                      block_dv=block_dv, matmul_dtype=jnp.dtype(matmul_dtype).name,
-                                      prep_precision=prep_precision, interpret=interpret)
-    return o.astype(v.dtype), final, (None if snapshot_seq is None else snaps)
+    return run_chunked(_chunked_pallas, q, k, v, g, beta, gate=g, cu_seqlens=cu_seqlens, initial_state=initial_state,
+                       snapshot_seq=snapshot_seq, snapshot_len=snapshot_len, start_pos=start_pos,
+                       max_chunks=max_chunks, scale=scale, use_qk_l2norm=use_qk_l2norm, block_dv=block_dv,
+                       matmul_dtype=jnp.dtype(matmul_dtype).name, prep_precision=prep_precision,
+                       interpret=interpret)
 
 
 def main():

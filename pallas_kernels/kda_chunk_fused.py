@@ -60,7 +60,8 @@ Contract: ``g [T, Hv, dk]`` (per-channel log-decay, ``>= -10`` per token for the
 Status: checked in interpret mode only; not yet measured on a GPU. ``benchmarks/gpu_check.py
 --suites kda_fused`` checks it on the device and ``benchmarks/kernels.py --only kda_fused`` times it
 beside ``gdn_chunked_pallas`` and fla's ``chunk_kda``; it is not in
-``jaxserve.models.backends.AUTO_ON_GPU``.
+``jaxserve.models.backends.AUTO_ON_GPU``. The engine runs it for KDA layers where ``--kernels`` names
+``prefill_fused`` (``gated_deltanet.prefill_kernel``).
 """
 
 from __future__ import annotations
@@ -76,17 +77,20 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.gdn_chunk_fused import (
     BLOCK_DV,
     CHUNK,
-    SMEM_BYTES,
     _col,
-    _products,
     _row,
     _unit_lower_inverse,
-    gather_states,
+    apply_inverse,
+    check_tiling,
+    launch_fused,
     load_initial_state,
+    program,
+    recurrence,
+    tiling_problems,
     write_chunk_outputs,
 )
-from pallas_kernels.gdn_chunked import _layout_requests, _transforms
-from pallas_kernels.kda_reference import _check_kda_gate, _to_grid, chunk_layout, l2norm, prepare_chunked_args
+from pallas_kernels.gdn_chunked import _products, _transforms, run_chunked
+from pallas_kernels.kda_reference import _check_kda_gate
 
 SUB = 16  # rows per score sub-block: one decay reference point each
 # bf16 only on the GPU: the score operands carry factors up to e^(8 |g|), past float16's range
@@ -116,13 +120,7 @@ def _kernel(first_ref, nchunks_ref, slot_ref, init_ref, q_ref, k_ref, v_ref, G_r
             q_smem, k_smem, v_smem, G_smem, beta_smem, qk_smem, t_smem, w_smem, qe_smem, ke_smem, s_smem,
             vn_smem, bars, *, group, mm_dtype):
     """One (sequence, value head, 64 state columns): walk the sequence's chunks with ``Sᵀ`` in registers."""
-    n = lax.axis_index("n")
-    h = lax.axis_index("h")
-    j = lax.axis_index("j")
-    hk = h // group
-    c0 = first_ref[n]
-    nc = nchunks_ref[n]
-    cols = pl.ds(j * BLOCK_DV, BLOCK_DV)
+    n, h, hk, c0, nc, cols = program(first_ref, nchunks_ref, group)
     dk = q_smem.shape[-1]
     f32, mm = jnp.float32, mm_dtype
     tile = plgpu.Layout.WGMMA
@@ -219,22 +217,14 @@ def _kernel(first_ref, nchunks_ref, slot_ref, init_ref, q_ref, k_ref, v_ref, G_r
         s_smem[...] = s.astype(mm)
         plgpu.commit_smem()
 
-        # w = T (beta k e^G) and uᵀ = (beta v)ᵀ Tᵀ; w overwrites its operand once read back.
-        w, ut = _products(([(t_smem, w_smem)], (C, dk)), ([(v_smem.T, t_smem.T)], (BLOCK_DV, C)))
-        w_smem[...] = w.astype(mm)
-        plgpu.commit_smem()
+        ut = apply_inverse(t_smem, w_smem, v_smem)  # beta v was last read here: the next v may come
 
         @pl.when(more)
         def _():
             issue_v(c + 1)
 
-        # The recurrence: v_newᵀ = uᵀ - Sᵀ wᵀ, then oᵀ and the state update issued together.
-        (ws,) = _products(([(s_smem, w_smem.T)], (BLOCK_DV, C)))
-        vn_smem[...] = (ut - ws).astype(mm)
-        plgpu.commit_smem()
-        o, kv = _products(([(s_smem, qe_smem.T), (vn_smem, qk_smem.T)], (BLOCK_DV, C)),
-                          ([(vn_smem, ke_smem)], (BLOCK_DV, dk)))
-        s_new = _col(jnp.exp(G_last), (BLOCK_DV, dk)) * s + kv
+        decay = _col(jnp.exp(G_last), (BLOCK_DV, dk))
+        o, s_new = recurrence(s, ut, decay, s_smem, w_smem, vn_smem, qe_smem, qk_smem, ke_smem)
         write_chunk_outputs(o, s_new, out_row, ot_ref.at[c, h, cols], st_ref, h, cols)
         return s_new
 
@@ -256,48 +246,22 @@ def smem_bytes(dk: int, matmul_dtype) -> int:
     return inputs + persistent + scoped + 1024  # + barriers, alignment
 
 
-def supports(dk: int, dv: int, matmul_dtype=jnp.bfloat16) -> bool:
-    """Whether the fused KDA kernel takes these head dims on the GPU (``_check`` states the rules)."""
-    return (dk in (64, 128) and dv % BLOCK_DV == 0 and jnp.dtype(matmul_dtype).name in GPU_MATMUL_DTYPES
-            and smem_bytes(dk, matmul_dtype) <= SMEM_BYTES)
+def _tiling_problems(dk: int, dv: int, chunk_size: int, matmul_dtype, interpret: bool) -> list[str]:
+    """``gdn_chunk_fused.tiling_problems`` with this kernel's GPU operand dtypes and SMEM."""
+    return tiling_problems(dk, dv, chunk_size, matmul_dtype, interpret, gpu_dtypes=GPU_MATMUL_DTYPES, smem=smem_bytes)
 
 
-def _check(q, v, chunk_size, matmul_dtype, interpret):
-    dk, dv = q.shape[-1], v.shape[-1]
-    problems = []
-    if chunk_size != CHUNK:
-        problems.append(f"chunk_size={chunk_size}: the kernel is built for {CHUNK}")
-    if dk not in (64, 128):
-        problems.append(f"dk={dk} must be 64 or 128")
-    if dv % BLOCK_DV:
-        problems.append(f"dv={dv} must be a multiple of {BLOCK_DV}")
-    name = jnp.dtype(matmul_dtype).name
-    if name not in GPU_MATMUL_DTYPES and not (interpret and name == "float32"):
-        problems.append(f"matmul_dtype={name}: {GPU_MATMUL_DTYPES} on the GPU (float32 in interpret mode only)")
-    if smem_bytes(dk, matmul_dtype) > SMEM_BYTES and not interpret:
-        problems.append(f"dk={dk} with {name} operands needs {smem_bytes(dk, matmul_dtype)} bytes of SMEM")
-    if problems:
-        raise ValueError("kda_chunk_fused: " + "; ".join(problems))
+def supports(dk: int, dv: int, matmul_dtype=jnp.bfloat16, interpret: bool = False) -> bool:
+    """Whether the fused KDA kernel takes these head dims (``gdn_chunk_fused.tiling_problems`` states
+    the rules, with this kernel's operand dtypes and SMEM)."""
+    return not _tiling_problems(dk, dv, CHUNK, matmul_dtype, interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "max_chunks", "matmul_dtype", "interpret"))
 def _fused(q, k, v, g, beta, cu_seqlens, initial_state, snapshot_seq, snapshot_len, start_pos,
            *, scale, use_qk_l2norm, max_chunks, matmul_dtype, interpret):
-    T, Hv, dv = v.shape
-    Hk, dk = q.shape[1:]
-    num_seqs = cu_seqlens.shape[0] - 1
+    Hv, Hk, dk = v.shape[1], q.shape[1], q.shape[-1]
     f32, mm = jnp.float32, jnp.dtype(matmul_dtype)
-    q, k = q.astype(f32), k.astype(f32)
-    if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
-    q = q * (dk ** -0.5 if scale is None else scale)
-    layout = chunk_layout(cu_seqlens, start_pos, T, CHUNK, max_chunks)
-    grid = functools.partial(_to_grid, layout=layout, max_chunks=max_chunks, chunk_size=CHUNK)
-    G = jnp.cumsum(grid(g.astype(f32)), axis=-2)                  # [M, Hv, C, dk] within-chunk cumsum
-    beta_grid = grid(beta.astype(f32)[..., None])[..., 0]         # [M, Hv, C]
-    req_seq, row, slot_of_chunk = _layout_requests(layout, cu_seqlens, snapshot_seq, snapshot_len,
-                                                   max_chunks, CHUNK)
-    num_rows = req_seq.shape[0]
     operand = lambda shape: plgpu.SMEM(shape, mm, transforms=_transforms(mm))  # noqa: E731
     scratch = [
         operand((CHUNK, dk)),                                     # q
@@ -314,21 +278,13 @@ def _fused(q, k, v, g, beta, cu_seqlens, initial_state, snapshot_seq, snapshot_l
         operand((BLOCK_DV, CHUNK)),                               # v_newᵀ
         plgpu.Barrier(num_barriers=6),                            # q, k, v, G, beta, initial state
     ]
-    kernel = plgpu.kernel(
-        functools.partial(_kernel, group=Hv // Hk, mm_dtype=mm),
-        out_type=(jax.ShapeDtypeStruct((max_chunks, Hv, dv, CHUNK), f32),
-                  jax.ShapeDtypeStruct((num_rows, Hv, dv, dk), f32)),
-        grid=(num_seqs, Hv, dv // BLOCK_DV),
-        grid_names=("n", "h", "j"),
-        scratch_types=scratch,
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )
-    ot, states_t = kernel(layout.first_chunk.astype(jnp.int32), layout.num_chunks.astype(jnp.int32),
-                          slot_of_chunk, jnp.swapaxes(initial_state, -1, -2),
-                          grid(q.astype(mm)), grid(k.astype(mm)), grid(v.astype(mm)), G, beta_grid)
-    return gather_states(ot, states_t, layout, req_seq, row, initial_state, cu_seqlens, snapshot_seq,
-                         snapshot_len, start_pos)
+
+    def gate_inputs(grid):  # G = within-chunk cumsum of g [M, Hv, C, dk]; beta [M, Hv, C]
+        return jnp.cumsum(grid(g.astype(f32)), axis=-2), grid(beta.astype(f32)[..., None])[..., 0]
+
+    return launch_fused(functools.partial(_kernel, group=Hv // Hk, mm_dtype=mm), scratch, gate_inputs, q, k, v,
+                        cu_seqlens, initial_state, snapshot_seq, snapshot_len, start_pos, scale=scale,
+                        use_qk_l2norm=use_qk_l2norm, max_chunks=max_chunks, matmul_dtype=mm, interpret=interpret)
 
 
 def kda_chunk_fused(q, k, v, g, beta, *, cu_seqlens, initial_state=None, scale=None, use_qk_l2norm=True,
@@ -347,10 +303,8 @@ def kda_chunk_fused(q, k, v, g, beta, *, cu_seqlens, initial_state=None, scale=N
     fp32 with ``interpret`` only). ``interpret``: Mosaic GPU's interpreter (CPU tests).
     """
     _check_kda_gate(q, v, g)
-    _check(q, v, chunk_size, matmul_dtype, interpret)
-    cu, snap_seq, snap_len, start, init, max_chunks = prepare_chunked_args(
-        q, k, v, g, beta, cu_seqlens, initial_state, snapshot_seq, snapshot_len, start_pos, CHUNK, max_chunks)
-    o, final, snaps = _fused(q, k, v, g, beta, cu, init, snap_seq, snap_len, start, scale=scale,
-                             use_qk_l2norm=use_qk_l2norm, max_chunks=max_chunks,
-                             matmul_dtype=jnp.dtype(matmul_dtype).name, interpret=interpret)
-    return o.astype(v.dtype), final, (None if snapshot_seq is None else snaps)
+    check_tiling("kda_chunk_fused", _tiling_problems(q.shape[-1], v.shape[-1], chunk_size, matmul_dtype, interpret))
+    return run_chunked(_fused, q, k, v, g, beta, gate=g, cu_seqlens=cu_seqlens, initial_state=initial_state,
+                       snapshot_seq=snapshot_seq, snapshot_len=snapshot_len, start_pos=start_pos,
+                       max_chunks=max_chunks, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                       matmul_dtype=jnp.dtype(matmul_dtype).name, interpret=interpret)

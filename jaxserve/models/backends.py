@@ -3,13 +3,20 @@
 ``ModelConfig.kernels`` (static under jit; ``--kernels`` on the CLI) decides for every kernel:
 
 * ``"jnp"``: the pure-jnp references everywhere (the CPU path and the test oracle);
-* ``"pallas"``: every kernel, on whatever device; a shape a kernel cannot take is an error at
-  start-up (``EngineArgs`` checks), never a silent fallback;
+* ``"pallas"``: every kernel but the ``BY_NAME_ONLY`` ones, on whatever device; a shape a kernel
+  cannot take is an error at start-up (``EngineArgs`` checks), never a silent fallback;
 * ``"pallas-interpret"``: the same, in Mosaic GPU's interpret mode (CPU tests of the wiring);
 * ``"auto"`` (default): on a GPU, the kernels in ``AUTO_ON_GPU`` where the shapes fit and the
   kernel is no less precise than the jnp path would be (``auto_ok``); jnp elsewhere;
 * a comma-separated list of kernel names (e.g. ``"gdn_decode,gdn_prefill"``): those kernels, as
-  ``"pallas"`` would run them, and jnp for the rest.
+  ``"pallas"`` would run them, and jnp for the rest; with the prefix ``"interpret:"`` (e.g.
+  ``"interpret:prefill_fused"``) the listed kernels run in interpret mode.
+
+Two names are two implementations of one backend, the chunked delta rule of prefill steps:
+``gdn_prefill`` (XLA UT transform + the recurrence kernel, ``pallas_kernels/gdn_chunked.py``) and
+``prefill_fused`` (the whole chunk in one kernel: ``gdn_chunk_fused`` for GDN layers,
+``kda_chunk_fused`` for KDA layers). ``prefill_fused`` is ``BY_NAME_ONLY``: ``"pallas"`` keeps the
+device-checked ``gdn_prefill``, and a list naming both is an error (``validate``).
 
 ``AUTO_ON_GPU`` lists a kernel only once its current version has passed ``benchmarks/gpu_check.py``
 on an H200 or H100 and (the mixer kernels) run the engine hammer with hit == cold (``scripts/device/verify_kernels.sh``;
@@ -17,7 +24,8 @@ results in ``benchmarks/RESULTS.md``), so the default serving path is always one
 checked on the device. Kernel names: ``gdn_decode``, ``gdn_prefill``, ``paged_attention``,
 ``conv1d`` (the GDN short conv, prefill and decode), ``moe`` (the routed experts of MoE layers: a
 grouped GEMM over the experts the tokens use, and a gather path for a few tokens,
-``pallas_kernels/moe.py``).
+``pallas_kernels/moe.py``), ``prefill_fused`` (above; checked in interpret mode only, so not in
+``AUTO_ON_GPU`` until it passes ``gpu_check --suites gdn_fused,kda_fused``).
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import jax
 
 from jaxserve.config import ModelConfig
 
-KERNELS = ("gdn_decode", "gdn_prefill", "paged_attention", "conv1d", "moe")
+KERNELS = ("gdn_decode", "gdn_prefill", "paged_attention", "conv1d", "moe", "prefill_fused")
 # 2026-12-02: gpu_check 26/26 on the H200, the engine hammer with the GDN kernels in
 # fp32 (hit == cold) and with every kernel in bf16; speeds in benchmarks/RESULTS.md. conv1d joined
 # 2026-12-03: gpu_check 7/7 (final and x64 snapshot conv states bit-exact, outputs
@@ -38,14 +46,35 @@ KERNELS = ("gdn_decode", "gdn_prefill", "paged_attention", "conv1d", "moe")
 # qwen3_5_moe in the engine at batch 1 (benchmarks/RESULTS.md "Serving"). No engine hammer on a
 # MoE model yet.
 AUTO_ON_GPU: frozenset[str] = frozenset({"gdn_decode", "gdn_prefill", "paged_attention", "conv1d", "moe"})
+# Run only where named in a list: alternatives to a kernel "pallas" already runs.
+BY_NAME_ONLY: frozenset[str] = frozenset({"prefill_fused"})
+# Names of which a list may hold one: implementations of the same backend.
+EXCLUSIVE: tuple[frozenset[str], ...] = (frozenset({"gdn_prefill", "prefill_fused"}),)
 CHOICES = ("auto", "jnp", "pallas", "pallas-interpret")
+INTERPRET_PREFIX = "interpret:"
+
+
+def _listed(kernels: str) -> list[str] | None:
+    """The kernel names of a list setting (``INTERPRET_PREFIX`` removed); None for a ``CHOICES`` one."""
+    if kernels in CHOICES:
+        return None
+    return kernels.removeprefix(INTERPRET_PREFIX).split(",")
 
 
 def validate(kernels: str) -> str:
-    """``kernels`` if it is one of ``CHOICES`` or a list of ``KERNELS`` names, else ValueError."""
-    if kernels in CHOICES or (kernels and set(kernels.split(",")) <= set(KERNELS)):
+    """``kernels`` if it is one of ``CHOICES`` or a list of ``KERNELS`` names (optionally behind
+    ``INTERPRET_PREFIX``) holding at most one of each ``EXCLUSIVE`` group, else ValueError."""
+    names = _listed(kernels)
+    if names is None:
         return kernels
-    raise ValueError(f"kernels={kernels!r}; choose one of {CHOICES} or a comma-separated subset of {KERNELS}")
+    if not set(names) <= set(KERNELS):
+        raise ValueError(f"kernels={kernels!r}; choose one of {CHOICES} or a comma-separated subset of {KERNELS}, "
+                         f"optionally behind {INTERPRET_PREFIX!r}")
+    for group in EXCLUSIVE:
+        if len(group & set(names)) > 1:
+            raise ValueError(f"kernels={kernels!r}: {' and '.join(sorted(group))} implement the same backend; "
+                             "name one")
+    return kernels
 
 
 def use_kernel(cfg: ModelConfig, name: str, fits: bool, shape: str, auto_ok: bool = True) -> bool:
@@ -55,11 +84,13 @@ def use_kernel(cfg: ModelConfig, name: str, fits: bool, shape: str, auto_ok: boo
     ``jax_default_matmul_precision=highest``); an explicit choice still gets it."""
     assert name in KERNELS, name
     kernels = validate(cfg.kernels)
+    names = _listed(kernels)
     if kernels == "jnp":
         return False
     if kernels == "auto":
         return fits and auto_ok and name in AUTO_ON_GPU and jax.default_backend() == "gpu"
-    if kernels not in ("pallas", "pallas-interpret") and name not in kernels.split(","):
+    chosen = name not in BY_NAME_ONLY if names is None else name in names  # None: "pallas[-interpret]"
+    if not chosen:
         return False
     if not fits:
         raise ValueError(f"kernels={kernels!r}: the {name} kernel does not take {shape}")
@@ -67,4 +98,5 @@ def use_kernel(cfg: ModelConfig, name: str, fits: bool, shape: str, auto_ok: boo
 
 
 def interpret(cfg: ModelConfig) -> bool:
-    return cfg.kernels == "pallas-interpret"
+    """Static: the chosen kernels run in Mosaic GPU's interpret mode (on the CPU)."""
+    return cfg.kernels == "pallas-interpret" or cfg.kernels.startswith(INTERPRET_PREFIX)

@@ -12,10 +12,12 @@ State lives in a slot pool shared by all GDN layers (``layers.Ragged`` says how 
 ``conv`` [layers, slots, conv_dim, K-1] (the last K-1 conv inputs, oldest first, model dtype) and
 ``rec`` [layers, slots, Hv, dk, dv] fp32. Two backends touch it, each called from one place:
 ``_short_conv`` and ``_delta_rule``. Prefill uses the chunked rule aligned to absolute ×64
-positions (so a prompt prefilled in pieces computes exactly the chunks one prefill would); a
-decode batch (every row exactly one token) uses the one-step recurrent form — on a GPU the fused
-Mosaic GPU kernel (``pallas_kernels.gdn_decode``), which reads and writes the pool in place
-(``_decode_in_pool``; ``cfg.kernels`` chooses), elsewhere jnp. The short conv runs on the Mosaic
+positions (so a prompt prefilled in pieces computes exactly the chunks one prefill would), in jnp or
+on a Mosaic GPU kernel (``prefill_kernel``: ``gdn_chunked``'s recurrence kernel, or the fused
+whole-chunk kernels ``gdn_chunk_fused`` / ``kda_chunk_fused`` where named); a decode batch (every
+row exactly one token) uses the one-step recurrent form — on a GPU the fused Mosaic GPU kernel
+(``pallas_kernels.gdn_decode``), which reads and writes the pool in place (``_decode_in_pool``;
+``cfg.kernels`` chooses), elsewhere jnp. The short conv runs on the Mosaic
 GPU conv1d kernels (``pallas_kernels.conv1d``, prefill and decode) where ``cfg.kernels`` picks
 them (``use_conv_kernel``: under ``auto`` on a GPU since they passed the GPU check).
 
@@ -34,7 +36,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.models import backends
 from jaxserve.models.layers import Ragged, gated_rms_norm, linear
 from jaxserve.parallel.layout import split_shards
-from pallas_kernels import conv1d, gdn_chunked, gdn_decode, gdn_reference
+from pallas_kernels import conv1d, gdn_chunk_fused, gdn_chunked, gdn_decode, gdn_reference, kda_chunk_fused
 from pallas_kernels.conv1d_reference import causal_conv1d_prefill, causal_conv1d_update
 from pallas_kernels.gdn_reference import gdn_recurrent
 from pallas_kernels.kda_reference import kda_chunked, kda_recurrent
@@ -98,11 +100,22 @@ def _delta_rule(cfg: ModelConfig, q, k, v, g, beta, init, r: Ragged, decode: boo
     if decode:
         o, final = jax.vmap(_one_token_rule)(q, k, v, g, beta, init)
         return o, final, _decode_snapshots(init, final, r)
-    chunked = kda_chunked if cfg.kda else gdn_reference.gdn_chunked
-    if use_prefill_kernel(cfg):  # takes g [T, Hv] (GDN) or [T, Hv, dk] (KDA)
-        chunked = functools.partial(gdn_chunked.gdn_chunked_pallas, interpret=backends.interpret(cfg))
-    return chunked(q, k, v, g, beta, cu_seqlens=r.cu_seqlens, initial_state=init, start_pos=r.context_len,
-                   snapshot_seq=r.snap_seq, snapshot_len=r.snap_len)
+    return _chunked_rule(cfg)(q, k, v, g, beta, cu_seqlens=r.cu_seqlens, initial_state=init,
+                              start_pos=r.context_len, snapshot_seq=r.snap_seq, snapshot_len=r.snap_len)
+
+
+def _chunked_rule(cfg: ModelConfig):
+    """The chunked delta rule ``prefill_kernel`` picks. Every choice has the references' interface:
+    g [T, Hv] (GDN) or [T, Hv, dk] (KDA), ragged ``cu_seqlens``, per-row initial states, chunks
+    aligned to absolute positions from ``start_pos``, snapshots at ``(snapshot_seq, snapshot_len)``."""
+    interpret = backends.interpret(cfg)
+    kernel = prefill_kernel(cfg)
+    if kernel == "prefill_fused":
+        fused = kda_chunk_fused.kda_chunk_fused if cfg.kda else gdn_chunk_fused.gdn_chunk_fused
+        return functools.partial(fused, matmul_dtype=FUSED_MATMUL_DTYPE[interpret], interpret=interpret)
+    if kernel == "gdn_prefill":
+        return functools.partial(gdn_chunked.gdn_chunked_pallas, interpret=interpret)
+    return kda_chunked if cfg.kda else gdn_reference.gdn_chunked
 
 
 def use_decode_kernel(cfg: ModelConfig, act_dtype) -> bool:
@@ -112,13 +125,35 @@ def use_decode_kernel(cfg: ModelConfig, act_dtype) -> bool:
                                f"dk={dk}, dv={dv} in {jnp.dtype(act_dtype).name}")
 
 
-def use_prefill_kernel(cfg: ModelConfig) -> bool:
-    """Static: the chunked delta rule with its state recurrence on Mosaic GPU (``backends``). Its
-    fp32 products run as tf32, so ``auto`` leaves it out under full-fp32 matmul precision."""
+# The fused prefill kernels' operand dtype, by interpret mode: bf16 on the GPU (the only one both
+# take there; fla's choice), fp32 in the interpreter (which takes it), where the kernels then match
+# the jnp path to fp32 rounding.
+FUSED_MATMUL_DTYPE = {False: jnp.bfloat16, True: jnp.float32}
+
+
+def prefill_kernel(cfg: ModelConfig) -> str | None:
+    """Static: the kernel of the chunked delta rule of prefill steps (``backends``): ``"prefill_fused"``
+    (only where named), ``"gdn_prefill"`` or None (jnp). An explicit choice whose kernel cannot take
+    the layer's head dims raises here. ``gdn_prefill``'s fp32 products run as tf32, so ``auto`` leaves
+    it out under full-fp32 matmul precision. The fused KDA kernel keeps its accuracy for log-decays
+    down to -10 per token and channel (``kda_chunk_fused``); naming it accepts that."""
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    interpret = backends.interpret(cfg)
+    fused, mm = (kda_chunk_fused if cfg.kda else gdn_chunk_fused), FUSED_MATMUL_DTYPE[interpret]
+    if backends.use_kernel(cfg, "prefill_fused", fused.supports(dk, dv, mm, interpret),
+                           f"dk={dk}, dv={dv} with {jnp.dtype(mm).name} operands"):
+        return "prefill_fused"
     full_fp32 = str(jax.config.jax_default_matmul_precision).lower() in ("highest", "float32")
-    return backends.use_kernel(cfg, "gdn_prefill", gdn_chunked.supports(dk, dv), f"dk={dk}, dv={dv}",
-                               auto_ok=not full_fp32)
+    if backends.use_kernel(cfg, "gdn_prefill", gdn_chunked.supports(dk, dv), f"dk={dk}, dv={dv}",
+                           auto_ok=not full_fp32):
+        return "gdn_prefill"
+    return None
+
+
+def use_prefill_kernel(cfg: ModelConfig) -> bool:
+    """Static: a Mosaic GPU kernel runs prefill's chunked delta rule (``prefill_kernel``). The engine
+    calls it at start-up, so an explicit choice that cannot take the layer's shapes fails there."""
+    return prefill_kernel(cfg) is not None
 
 
 def _decode_in_pool(cfg: ModelConfig, q, k, v, g, beta, pool: jax.Array, layer: int, r: Ragged):

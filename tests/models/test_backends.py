@@ -24,8 +24,12 @@ def test_jnp_never_and_auto_only_verified_kernels_on_a_gpu():
 
 
 @pytest.mark.parametrize("kernels", ["pallas", "pallas-interpret"])
-def test_pallas_runs_every_kernel_and_refuses_a_misfit(kernels):
+def test_pallas_runs_every_kernel_but_the_by_name_ones_and_refuses_a_misfit(kernels):
     for name in backends.KERNELS:
+        if name in backends.BY_NAME_ONLY:
+            assert not backends.use_kernel(_cfg(kernels), name, True, "")
+            assert not backends.use_kernel(_cfg(kernels), name, False, "dk=32")  # not chosen: no error
+            continue
         assert backends.use_kernel(_cfg(kernels), name, True, "")
         with pytest.raises(ValueError, match=f"the {name} kernel does not take dk=32"):
             backends.use_kernel(_cfg(kernels), name, False, "dk=32")
@@ -41,6 +45,47 @@ def test_a_list_selects_kernels():
         backends.validate("gdn_decode,flash")
     with pytest.raises(ValueError):
         backends.validate("")
+
+
+def test_two_prefill_kernels_exclude_each_other_and_interpret_prefix_lists():
+    """``gdn_prefill`` and ``prefill_fused`` implement one backend: a list names at most one. The
+    ``interpret:`` prefix runs a list in interpret mode and selects exactly the same kernels."""
+    with pytest.raises(ValueError, match="implement the same backend"):
+        backends.validate("gdn_prefill,conv1d,prefill_fused")
+    for kernels in ("prefill_fused,conv1d", "interpret:prefill_fused,conv1d"):
+        cfg = _cfg(kernels)
+        assert backends.interpret(cfg) == kernels.startswith("interpret:")
+        assert backends.use_kernel(cfg, "prefill_fused", True, "") and backends.use_kernel(cfg, "conv1d", True, "")
+        assert not backends.use_kernel(cfg, "gdn_prefill", True, "")
+        with pytest.raises(ValueError, match="the prefill_fused kernel does not take dk=32"):
+            backends.use_kernel(cfg, "prefill_fused", False, "dk=32")
+    for bad in ("interpret:", "interpret:pallas", "interpret:gdn_decode,flash"):
+        with pytest.raises(ValueError, match="comma-separated subset"):
+            backends.validate(bad)
+
+
+@pytest.mark.parametrize("kda", [False, True])
+def test_prefill_kernel_choice_for_gdn_and_kda_layers(kda):
+    """The layer's prefill path: the fused kernel only where named (bf16 operands on the GPU, fp32
+    in the interpreter, which has no SMEM limit), ``gdn_prefill`` under ``pallas``; naming the fused
+    kernel for head dims it cannot take fails (the engine's start-up check calls this)."""
+    from jaxserve.models import gated_deltanet
+
+    base = dataclasses.replace(_cfg("jnp"), kda=kda, linear_key_head_dim=128, linear_value_head_dim=128)
+
+    def pick(kernels, **shape):
+        return gated_deltanet.prefill_kernel(dataclasses.replace(base, kernels=kernels, **shape))
+
+    assert pick("jnp") is None and pick("auto") is None  # no GPU here
+    assert pick("pallas") == pick("gdn_prefill") == "gdn_prefill"
+    assert pick("prefill_fused") == pick("interpret:prefill_fused") == "prefill_fused"
+    assert pick("gdn_decode,conv1d") is None
+    assert gated_deltanet.use_prefill_kernel(dataclasses.replace(base, kernels="prefill_fused"))
+    for kernels in ("prefill_fused", "interpret:prefill_fused"):
+        with pytest.raises(ValueError, match="the prefill_fused kernel does not take dk=32, dv=128"):
+            pick(kernels, linear_key_head_dim=32)
+    with pytest.raises(ValueError, match="does not take dk=128, dv=96 with float32 operands"):
+        pick("interpret:prefill_fused", linear_value_head_dim=96)
 
 
 def test_auto_on_a_gpu_takes_verified_kernels_unless_less_precise(monkeypatch):

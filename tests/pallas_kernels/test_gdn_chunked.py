@@ -19,51 +19,15 @@ import pytest
 from pallas_kernels.gdn_chunked import gdn_chunked_pallas
 from pallas_kernels.gdn_reference import gdn_chunked, gdn_recurrent
 from pallas_kernels.kda_reference import kda_chunked, kda_recurrent
+from tests.pallas_kernels.chunk_checks import every_boundary, make_inputs, rel
 
 TOL = 2e-5  # fp32 on both sides (interpretation runs the WGMMAs as fp32 dots)
-# Log-decays small enough that a state survives a chunk (~e^-1 per 64 tokens): with the models'
-# typical gates (up to ~-1 per token) every chunk would start from a forgotten state and neither the
-# initial states nor the chunk-to-chunk carry would be tested.
-GATE = 0.03
-
-
-def make_inputs(rng, *, lens, T, Hk, Hv, dk, dv, kda, dtype=np.float32):
-    normal = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
-    g_shape = (T, Hv, dk) if kda else (T, Hv)
-    x = dict(q=normal(T, Hk, dk), k=normal(T, Hk, dk), v=normal(T, Hv, dv),
-             g=-rng.uniform(0, GATE, size=g_shape).astype(np.float32),
-             beta=rng.uniform(0, 1, size=(T, Hv)).astype(np.float32))
-    x = {n: jnp.asarray(a, dtype) for n, a in x.items()}
-    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    assert cu[-1] <= T
-    init = normal(len(lens), Hv, dk, dv) * np.float32(0.5)
-    return x, jnp.asarray(cu), jnp.asarray(init)
-
-
 NUM_SNAPSHOTS = 16  # requests padded to a fixed count (repeating the last), so shapes and compiles are shared
-
-
-def every_boundary(lens, start_pos, chunk=64):
-    """All (seq, len) snapshot requests the chunked form can answer, padded to NUM_SNAPSHOTS."""
-    seq, length = [], []
-    for n, (L, s) in enumerate(zip(lens, start_pos)):
-        for x in range(L + 1):
-            if x in (0, L) or (s + x) % chunk == 0:
-                seq.append(n)
-                length.append(x)
-    assert len(seq) <= NUM_SNAPSHOTS
-    pad = NUM_SNAPSHOTS - len(seq)
-    return jnp.asarray(seq + seq[-1:] * pad, jnp.int32), jnp.asarray(length + length[-1:] * pad, jnp.int32)
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
 
 
 def check(x, cu, init, start_pos, *, kda, tol=TOL, recurrent=True, **kw):
     lens = np.diff(np.asarray(cu))
-    snap_seq, snap_len = every_boundary(lens, np.asarray(start_pos))
+    snap_seq, snap_len = every_boundary(lens, np.asarray(start_pos), pad_to=NUM_SNAPSHOTS)
     args = dict(cu_seqlens=cu, initial_state=init, snapshot_seq=snap_seq, snapshot_len=snap_len)
     o, final, snaps = gdn_chunked_pallas(**x, **args, start_pos=start_pos, interpret=True, **kw)
     ref = kda_chunked if kda else gdn_chunked

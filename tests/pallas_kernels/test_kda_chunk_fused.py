@@ -25,6 +25,7 @@ from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
 from pallas_kernels.gdn_chunk_fused import SMEM_BYTES
 from pallas_kernels.kda_chunk_fused import kda_chunk_fused, smem_bytes, supports
 from pallas_kernels.kda_reference import kda_chunked, kda_recurrent
+from tests.pallas_kernels.chunk_checks import check_fused
 
 TOL = 2e-5  # fp32 on both sides
 BF16_TOL = 2e-2  # bf16 operands (and bf16 activations): METHOD.md's bf16 band
@@ -46,40 +47,8 @@ def make_inputs(rng, *, lens, T, Hk, Hv, dk, dv, max_decay, dtype=np.float32):
     return x, jnp.asarray(cu), jnp.asarray(init)
 
 
-def every_boundary(lens, start_pos, chunk=64):
-    """All (seq, len) snapshot requests the chunked form can answer."""
-    pairs = [(n, t) for n, (L, s) in enumerate(zip(lens, start_pos)) for t in range(L + 1)
-             if t in (0, L) or (s + t) % chunk == 0]
-    seq, length = zip(*pairs)
-    return jnp.asarray(seq, jnp.int32), jnp.asarray(length, jnp.int32)
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
-
-
-def check(x, cu, init, start_pos, *, tol=TOL, recurrent=True, **kw):
-    """Every boundary snapshot plus one unavailable request, under ``jit``: the kernel must match
-    ``kda_chunked`` (and ``kda_recurrent``) and return NaN for the unavailable state."""
-    lens, start = np.diff(np.asarray(cu)), np.asarray(start_pos)
-    snap_seq, snap_len = every_boundary(lens, start)
-    bad = next(n for n, (L, s) in enumerate(zip(lens, start)) if L > 1 and (s + 1) % 64)
-    args = dict(cu_seqlens=cu, initial_state=init, snapshot_seq=snap_seq, snapshot_len=snap_len)
-    run = jax.jit(lambda x, s, n: kda_chunk_fused(**x, cu_seqlens=cu, initial_state=init, start_pos=start_pos,
-                                                  snapshot_seq=s, snapshot_len=n, interpret=True, **kw))
-    o, final, snaps = run(x, jnp.append(snap_seq, bad), jnp.append(snap_len, 1))
-    assert np.isnan(snaps[-1]).all()
-    snaps = snaps[:-1]
-    o_r, final_r, snaps_r = kda_chunked(**x, **args, start_pos=start_pos)
-    assert o.dtype == x["v"].dtype and final.dtype == snaps.dtype == jnp.float32
-    assert o.shape == o_r.shape and final.shape == final_r.shape and snaps.shape == snaps_r.shape
-    assert np.isfinite(np.asarray(o, np.float32)).all() and np.isfinite(final).all() and np.isfinite(snaps).all()
-    assert rel(o, o_r) < tol and rel(final, final_r) < tol and rel(snaps, snaps_r) < tol
-    np.testing.assert_array_equal(np.asarray(o, np.float32)[int(cu[-1]):], 0.0)  # bucket padding tokens
-    if recurrent:
-        o_t, final_t, snaps_t = kda_recurrent(**x, **args)
-        assert rel(o, o_t) < 10 * tol and rel(final, final_t) < 10 * tol and rel(snaps, snaps_t) < 10 * tol
+def check(x, cu, init, start_pos, *, tol=TOL, **kw):
+    check_fused(kda_chunk_fused, kda_chunked, kda_recurrent, x, cu, init, start_pos, tol=tol, **kw)
 
 
 # At these gates the score products of rows outside a round's sub-block overflow; the kernel drops
@@ -137,6 +106,7 @@ def test_rejects_what_it_cannot_take():
         kda_chunk_fused(**x, cu_seqlens=cu, snapshot_seq=jnp.asarray([0], jnp.int32),
                         snapshot_len=jnp.asarray([5], jnp.int32), matmul_dtype=jnp.float32, interpret=True)
     assert supports(128, 128) and supports(64, 64) and not supports(128, 128, jnp.float32)
+    assert supports(128, 128, jnp.float32, interpret=True)  # the interpreter has no SMEM limit
     assert not supports(128, 128, jnp.float16)  # the scaled score operands leave float16's range
     assert smem_bytes(128, jnp.bfloat16) <= SMEM_BYTES < smem_bytes(128, jnp.float32)
 
