@@ -160,7 +160,7 @@ def _engine_args(args: argparse.Namespace, progress: bool):
 
     if not 0 < args.mem_fraction <= 1:
         raise UsageError(f"--mem-fraction must be in (0, 1], got {args.mem_fraction}")
-    if args.compile_workers < 1:
+    if args.compile_workers is not None and args.compile_workers < 1:
         raise UsageError(f"--compile-workers must be >= 1, got {args.compile_workers}")
     if args.tensor_parallel_size < 1 or (args.expert_parallel and args.tensor_parallel_size < 2):
         raise UsageError(f"--tensor-parallel-size must be >= 1 (and >= 2 with --expert-parallel), "
@@ -235,7 +235,7 @@ def _serve(args: argparse.Namespace) -> int:
         ("policy", eargs.policy), ("kernels", eargs.kernels), ("tensor_parallel_size", eargs.tensor_parallel_size),
         ("expert_parallel", eargs.expert_parallel), ("debug_snapshot_checksums", eargs.debug_snapshot_checksums),
         ("mem_fraction", eargs.mem_fraction), ("compile_cache", eargs.compile_cache),
-        ("compile_workers", eargs.compile_workers), ("max_body_bytes", args.max_body_bytes or "default"),
+        ("compile_workers", eargs.compile_workers or "auto"), ("max_body_bytes", args.max_body_bytes or "default"),
         *dataclasses.asdict(limits).items(), ("image_max_pixels", eargs.image_max_pixels or "default"),
         ("allow_image_urls", image_limits.allow_urls), ("max_images_per_request", image_limits.max_images),
         ("image_fetch_timeout", image_limits.fetch_timeout)]))
@@ -325,7 +325,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "~/.cache/jaxserve/xla): a second start loads its programs instead of compiling them")
     p.add_argument("--no-compile-cache", action="store_true", help="no persistent compilation cache")
     p.add_argument("--compile-workers", type=int, default=d["compile_workers"], metavar="N",
-                   help="serve: step programs compiled at once at start-up (default: %(default)s)")
+                   help="serve: step programs compiled at once at start-up (default: half the CPU cores, "
+                        "at most 8)")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=d["tensor_parallel_size"], metavar="N",
                    help="split the model over N devices (over several processes: all of every process's): "
                         "heads, MLP and expert intermediates, KV pages and linear-state slots by head (the jnp "

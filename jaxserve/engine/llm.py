@@ -71,7 +71,7 @@ class EngineArgs:
     # Compile every step program (Buckets.programs()) before returning, so no request waits for a
     # compile (serve: on). Off, a program compiles when a step first needs it.
     compile_all: bool = False
-    compile_workers: int = 1  # programs compiled at once by compile_all (XLA compiles outside the GIL)
+    compile_workers: int | None = None  # programs compiled at once by compile_all; None: startup.default_compile_workers()
     # JAX's persistent compilation cache (startup.enable_compile_cache): True = $JAXSERVE_COMPILE_CACHE,
     # else ~/.cache/jaxserve/xla; False = off; or a directory.
     compile_cache: str | bool = True
@@ -149,7 +149,8 @@ def _compile_all(args: EngineArgs, compiler: startup.StepCompiler, params, plan,
     programs = buckets.programs()
     t0, hits0 = time.perf_counter(), startup.cache_hits()
     mems = startup.compile_programs(compiler, startup.pool_structs(cfg, dtype, plan), programs,
-                                    workers=args.compile_workers, progress=args.progress)
+                                    workers=args.compile_workers or startup.default_compile_workers(),
+                                    progress=args.progress)
     loaded, t1 = startup.cache_hits() - hits0, time.perf_counter()
     placement = compiler.placement
     pools = init_pools(plan, cfg, dtype, None if placement is None else placement.pools)
