@@ -25,7 +25,18 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-HBM_BYTES_PER_S = 4.0e12  # measured elementwise copy on the H200 (benchmarks/RESULTS.md); H100: ~3.0e12
+COPY_BYTES_PER_S = {"H200": 4.0e12, "H100": 3.0e12}  # measured elementwise copy (benchmarks/RESULTS.md)
+
+
+def hbm_bytes_per_s() -> float:
+    """The card's measured copy bandwidth, by its name (nvidia-smi: this process must not start
+    JAX on the GPU beside the server); the H200's when the name is neither."""
+    try:
+        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        name = ""
+    return next((bw for card, bw in COPY_BYTES_PER_S.items() if card in name), COPY_BYTES_PER_S["H200"])
 
 
 def log(msg: str) -> None:
@@ -98,7 +109,7 @@ def bench(port: int, out: Path, *args: str) -> dict:
 
 def row_from(result: dict, name: str, cfg, step_tokens: int) -> dict:
     s = result["runs"][-1]["summary"]
-    roof = HBM_BYTES_PER_S / active_bytes(cfg, step_tokens) * step_tokens
+    roof = hbm_bytes_per_s() / active_bytes(cfg, step_tokens) * step_tokens
     row = {"workload": name, "concurrency": result["runs"][-1].get("max_concurrency"), **s,
            "roofline_decode_tok_s": round(roof), "share_of_roofline": round(s.get("output_throughput", 0) / roof, 3)}
     log(json.dumps({k: row.get(k) for k in ("workload", "concurrency", "output_throughput", "ttft_ms", "tpot_ms",
@@ -160,8 +171,10 @@ def main() -> None:
                       "2048", "--input-len", "1", "--output-len", "8", "--num-prompts", "5", "--max-concurrency", "1")
             row = row_from(r, "shared-prefix 2048+1/8 (TTFT of repeats)", cfg, 1)
             reqs = r["runs"][-1]["requests"]
-            row["ttft_cold_ms"] = round(reqs[0]["ttft_ms"], 1)
-            row["ttft_hit_ms_p50"] = round(float(np.median([q["ttft_ms"] for q in reqs[1:]])), 1)
+            for key in ("ttft_ms", "e2e_ms"):  # a record without a time (a failed request) gives None, not a crash
+                cold, hits = reqs[0][key], [q[key] for q in reqs[1:] if q[key] is not None]
+                row[f"{key[:-3]}_cold_ms"] = None if cold is None else round(cold, 1)
+                row[f"{key[:-3]}_hit_ms_p50"] = round(float(np.median(hits)), 1) if hits else None
             row["cached_tokens_of_repeats"] = [q["cached_tokens"] for q in reqs[1:]]
             result["rows"].append(row)
         if "prefill" in rows:

@@ -91,6 +91,16 @@ def test_apply_event_folds_chat_and_completion_chunks():
     apply_event(comp, {"choices": [{"text": "", "finish_reason": "stop"}], "usage": None}, 0.3)
     assert (comp.ttft, comp.text, comp.output_tokens, comp.finish_reason) == (0.2, " a", 1, "stop")
     assert comp.cached_tokens is None
+    # tokens that decode to no text yet (half a multi-byte character) arrive with their logprobs:
+    # the first token's time is when it came, not when the first visible character did
+    ids = Record(_item(3))
+    apply_event(ids, {"choices": [{"text": "", "logprobs": {"tokens": ["\ufffd"]}, "finish_reason": None}]}, 0.04)
+    apply_event(ids, {"choices": [{"text": "é", "logprobs": {"tokens": ["\ufffd"]}, "finish_reason": None}]}, 0.06)
+    apply_event(ids, {"choices": [{"text": "", "logprobs": None, "finish_reason": "length"}]}, 0.07)
+    assert (ids.ttft, ids.text, ids.chunks) == (0.04, "é", 2) and ids.itl == pytest.approx([0.02])
+    chat = Record(_item(4))
+    apply_event(chat, {"choices": [{"delta": {"content": ""}, "logprobs": {"content": [{"token": "x"}]}}]}, 0.03)
+    assert chat.ttft == 0.03
     err = Record(_item(2))
     apply_event(err, {"error": {"message": "engine died", "type": "server_error"}}, 0.1)
     assert err.error == "stream error: engine died" and not err.ok

@@ -55,7 +55,10 @@ class Record:
 def apply_event(rec: Record, obj: dict, t: float) -> None:
     """Fold one decoded SSE event (a completion or chat completion chunk, received ``t`` s after
     the send) into ``rec``. Text, chat content and reasoning all count as content for the timings;
-    only text and content go into the answer."""
+    only text and content go into the answer. A chunk whose tokens decode to no text yet (part of
+    a multi-byte character, random token ids) counts too when it carries them (its ``logprobs``):
+    the token was generated then, and a TTFT taken at the first visible character would not be
+    the server's."""
     if obj.get("error"):
         rec.error = f"stream error: {error_message(obj)}"
         return
@@ -66,7 +69,8 @@ def apply_event(rec: Record, obj: dict, t: float) -> None:
     for ch in obj.get("choices") or []:
         delta = ch.get("delta") or {}
         answer = ch.get("text") or delta.get("content") or ""
-        if answer or delta.get("reasoning_content") or delta.get("reasoning"):
+        lp = ch.get("logprobs") or {}
+        if answer or delta.get("reasoning_content") or delta.get("reasoning") or lp.get("tokens") or lp.get("content"):
             if rec.ttft is None:
                 rec.ttft = t
             else:
