@@ -37,7 +37,7 @@ Two schedules of those tiles (``persistent``):
   On the H200 it was 1.15x faster than the simple schedule at batch 64 and 256.
 
 Serving form (``gdn_decode_pool`` with ``layer``, ``write_slots``, ``fresh``): the pool is the
-engine's ``[layers, slots, Hv, dk, dv]`` stack and ``layer`` (static) picks one; row ``b`` reads
+engine's ``[layers, slots, Hv, dk, dv]`` stack and ``layer`` picks one; row ``b`` reads
 ``slots[b]`` and writes ``write_slots[b]`` (a hit restoring a tree snapshot reads the tree's slot and
 writes its own), and a ``fresh`` row starts from the zero state whatever its read slot holds (its
 decay factor is 0: the slot's finite leftovers are multiplied away).
@@ -134,15 +134,15 @@ def _tile_step(s_smem, q_smem, k_smem, v_smem, g_smem, o_smem, bars, beta, g_sca
     plgpu.commit_smem()
 
 
-def _state(pool_ref, layer, slot, h, cols):
-    """The GMEM state tile ``[dk, cols]`` of head ``h`` in ``slot`` (of ``layer`` in a stacked pool)."""
-    return pool_ref.at[slot, h, :, cols] if layer is None else pool_ref.at[layer, slot, h, :, cols]
+def _state(pool_ref, slot, h, cols):
+    """The GMEM state tile ``[dk, cols]`` of head ``h`` in ``slot``."""
+    return pool_ref.at[slot, h, :, cols]
 
 
-def _issue_loads(pool_ref, layer, q_ref, k_ref, v_ref, g_ref, b, h, hk, slot, cols, smems, bars, per_channel_gate):
+def _issue_loads(pool_ref, q_ref, k_ref, v_ref, g_ref, b, h, hk, slot, cols, smems, bars, per_channel_gate):
     s_smem, q_smem, k_smem, v_smem, g_smem = smems
     s_bar, k_bar, q_bar, v_bar, g_bar = bars
-    plgpu.copy_gmem_to_smem(_state(pool_ref, layer, slot, h, cols), s_smem, s_bar)
+    plgpu.copy_gmem_to_smem(_state(pool_ref, slot, h, cols), s_smem, s_bar)
     plgpu.copy_gmem_to_smem(k_ref.at[b, hk], k_smem, k_bar)
     plgpu.copy_gmem_to_smem(q_ref.at[b, hk], q_smem, q_bar)
     plgpu.copy_gmem_to_smem(v_ref.at[b, h, cols], v_smem, v_bar)
@@ -152,7 +152,7 @@ def _issue_loads(pool_ref, layer, q_ref, k_ref, v_ref, g_ref, b, h, hk, slot, co
 
 def _decode_kernel(slots_ref, write_ref, keep_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, o_ref,
                    s_smem, q_smem, k_smem, v_smem, g_smem, o_smem, bars,
-                   *, group, block_dv, scale, use_qk_l2norm, per_channel_gate, layer):
+                   *, group, block_dv, scale, use_qk_l2norm, per_channel_gate):
     """One block per (row, head, dv tile): load, step, store, exit."""
     b = lax.axis_index("b")
     h = lax.axis_index("h")
@@ -161,21 +161,21 @@ def _decode_kernel(slots_ref, write_ref, keep_ref, q_ref, k_ref, v_ref, g_ref, b
     slot = slots_ref[b]
     cols = pl.ds(j * block_dv, block_dv)
     tile_bars = tuple(bars.at[i] for i in range(5))
-    _issue_loads(pool_ref, layer, q_ref, k_ref, v_ref, g_ref, b, h, hk, slot, cols,
+    _issue_loads(pool_ref, q_ref, k_ref, v_ref, g_ref, b, h, hk, slot, cols,
                  (s_smem, q_smem, k_smem, v_smem, g_smem), tile_bars, per_channel_gate)
     beta = beta_ref[b, h].astype(jnp.float32)
     g_scalar = None if per_channel_gate else g_ref[b, h].astype(jnp.float32)
     keep = keep_ref[b].astype(jnp.float32)
     _tile_step(s_smem, q_smem, k_smem, v_smem, g_smem, o_smem, tile_bars, beta, g_scalar, keep,
                scale=scale, use_qk_l2norm=use_qk_l2norm, per_channel_gate=per_channel_gate)
-    plgpu.copy_smem_to_gmem(s_smem, _state(pool_ref, layer, write_ref[b], h, cols), commit_group=False)
+    plgpu.copy_smem_to_gmem(s_smem, _state(pool_ref, write_ref[b], h, cols), commit_group=False)
     plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, cols])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _persistent_kernel(slots_ref, write_ref, keep_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, o_ref,
                        s_smem, q_smem, k_smem, v_smem, g_smem, o_smem, bars,
-                       *, group, block_dv, scale, use_qk_l2norm, per_channel_gate, stages, num_blocks, layer):
+                       *, group, block_dv, scale, use_qk_l2norm, per_channel_gate, stages, num_blocks):
     """A fixed grid of blocks, each walking the tiles ``blk, blk + G, ...`` with ``stages`` SMEM
     buffers: while tile i is computed, the copies of tiles i+1 .. i+stages-1 are in flight and the
     store of tile i-1 drains. The scalars a tile needs (its slot, beta, GDN gate) are read from
@@ -208,7 +208,7 @@ def _persistent_kernel(slots_ref, write_ref, keep_ref, q_ref, k_ref, v_ref, g_re
         p = lax.rem(i, jnp.int32(stages))
         b, h, j = coords(i)
         smems, _, tile_bars = stage_refs(p)
-        _issue_loads(pool_ref, layer, q_ref, k_ref, v_ref, g_ref, b, h, lax.div(h, jnp.int32(group)), slot,
+        _issue_loads(pool_ref, q_ref, k_ref, v_ref, g_ref, b, h, lax.div(h, jnp.int32(group)), slot,
                      pl.ds(j * block_dv, block_dv), smems, tile_bars, per_channel_gate)
 
     ahead = [scalars(jnp.int32(i)) for i in range(stages)]
@@ -226,7 +226,7 @@ def _persistent_kernel(slots_ref, write_ref, keep_ref, q_ref, k_ref, v_ref, g_re
         smems, o_stage, tile_bars = stage_refs(p)
         _tile_step(*smems, o_stage, tile_bars, beta, g, keep, scale=scale, use_qk_l2norm=use_qk_l2norm,
                    per_channel_gate=per_channel_gate)
-        plgpu.copy_smem_to_gmem(smems[0], _state(pool_ref, layer, write_slot, h, cols), commit_group=False)
+        plgpu.copy_smem_to_gmem(smems[0], _state(pool_ref, write_slot, h, cols), commit_group=False)
         plgpu.copy_smem_to_gmem(o_stage, o_ref.at[b, h, cols])
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # tile i-1's buffers are free again
 
@@ -256,7 +256,7 @@ def _check(q, k, v, g, beta, state_pool, slots, layer=None):
     if state_pool.ndim != 3 + lead or state_pool.shape[lead:] != (Hv, dk, dv) or state_pool.dtype != jnp.float32:
         want = "[slots, " if layer is None else "[layers, slots, "
         problems.append(f"state_pool {state_pool.shape} {state_pool.dtype} must be {want}{Hv}, {dk}, {dv}] fp32")
-    elif layer is not None and not 0 <= layer < state_pool.shape[0]:
+    elif isinstance(layer, int) and not 0 <= layer < state_pool.shape[0]:
         problems.append(f"layer {layer} not in [0, {state_pool.shape[0]})")
     if slots.shape != (B,) or not jnp.issubdtype(slots.dtype, jnp.integer):
         problems.append(f"slots {slots.shape} {slots.dtype} must be int [{B}]")
@@ -287,17 +287,23 @@ def gdn_decode_pool(q, k, v, g, beta, state_pool, slots, *, scale=None, use_qk_l
                     layer=None, write_slots=None, fresh=None):
     """``gdn_decode`` without the ``jit``/donation wrapper: call it inside your own jitted step.
 
-    Serving form: ``layer`` (static int) selects one layer of a stacked ``[layers, slots, Hv, dk,
-    dv]`` pool; ``write_slots`` [B] (default ``slots``) is where each row's new state goes;
-    ``fresh`` [B] bool (default all False) rows start from the zero state.
+    Serving form: ``layer`` (an int, or an int32 scalar under ``jit``) selects one layer of a
+    stacked ``[layers, slots, Hv, dk, dv]`` pool; ``write_slots`` [B] (default ``slots``) is where
+    each row's new state goes; ``fresh`` [B] bool (default all False) rows start from the zero state.
 
     Returns ``(o [B, Hv, dv] in v.dtype, new_state_pool)``; the pool output is aliased to the
     input, so donate the pool at your jit boundary to keep the update in place. ``persistent``
     selects the pipelined persistent-grid kernel (default: ``DEFAULT_PERSISTENT``), ``stages`` its
     SMEM buffers per block and ``blocks_per_sm`` its grid; otherwise one block per tile.
+
+    A stacked pool runs as its flat ``[layers * slots, ...]`` view (a bitcast) with the layer folded
+    into the slot ids, through one jitted kernel call (``_pool_step``): every layer of a model is
+    then the same kernel on the same shapes, which JAX lowers once per step program instead of once
+    per layer (a Mosaic GPU kernel's module is ~220 KB of the program: 18 GDN layers lowered 18 times
+    were most of a real-size decode program's lowering time).
     """
     _check(q, k, v, g, beta, state_pool, slots, layer)
-    B, Hk, dk = q.shape
+    B = q.shape[0]
     slots = slots.astype(jnp.int32)
     write_slots = slots if write_slots is None else write_slots.astype(jnp.int32)
     keep = jnp.ones((B,), jnp.int32) if fresh is None else 1 - fresh.astype(jnp.int32)
@@ -306,10 +312,27 @@ def gdn_decode_pool(q, k, v, g, beta, state_pool, slots, *, scale=None, use_qk_l
     if not _tile_ok(block_dv, dv, v.dtype.itemsize):
         raise ValueError(f"block_dv={block_dv} must divide dv={dv}, be a multiple of 32 and span "
                          f"a multiple of 128 bytes of v ({v.dtype})")
-    persistent = DEFAULT_PERSISTENT if persistent is None else persistent
-    scale = dk ** -0.5 if scale is None else float(scale)
+    statics = dict(scale=q.shape[-1] ** -0.5 if scale is None else float(scale), use_qk_l2norm=use_qk_l2norm,
+                   block_dv=block_dv, persistent=DEFAULT_PERSISTENT if persistent is None else persistent,
+                   stages=stages, blocks_per_sm=blocks_per_sm, interpret=interpret)
+    if layer is None:
+        return _pool_step(slots, write_slots, keep, q, k, v, g, beta, state_pool, **statics)
+    per_layer = state_pool.shape[1]
+    base = jnp.asarray(layer, jnp.int32) * per_layer
+    o, flat = _pool_step(slots + base, write_slots + base, keep, q, k, v, g, beta,
+                         state_pool.reshape(-1, *state_pool.shape[2:]), **statics)
+    return o, flat.reshape(state_pool.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "block_dv", "persistent", "stages",
+                                             "blocks_per_sm", "interpret"))
+def _pool_step(slots, write_slots, keep, q, k, v, g, beta, state_pool, *, scale, use_qk_l2norm, block_dv,
+               persistent, stages, blocks_per_sm, interpret):
+    """The kernel on a flat ``[slots, Hv, dk, dv]`` pool (arguments checked by the caller)."""
+    B, Hk, dk = q.shape
+    _, Hv, dv = v.shape
     params = dict(group=Hv // Hk, block_dv=block_dv, scale=scale, use_qk_l2norm=use_qk_l2norm,
-                  per_channel_gate=g.ndim == 3, layer=layer)
+                  per_channel_gate=g.ndim == 3)
     state_transforms = (plgpu.TilingTransform((8, _SWIZZLE // 4)), plgpu.SwizzleTransform(_SWIZZLE))
     n = (stages,) if persistent else ()
     scratch = [

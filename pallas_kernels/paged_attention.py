@@ -349,6 +349,21 @@ def paged_attention_read(q, k_pool, v_pool, layer, r, window=None, *, num_splits
     # to whole 8-row tiles (Mosaic GPU's TMA into tiled SMEM asks that of the GMEM array too).
     q2 = q.astype(k_pool.dtype).reshape(T, nkv, G, hd).transpose(1, 0, 2, 3).reshape(nkv, T * G, hd)
     q2 = jnp.pad(q2, ((0, 0), (0, ROWS + (-T * G) % 8), (0, 0)))
+    acc, m, l = _read_blocks(jnp.asarray(layer, jnp.int32).reshape(1), tiles.astype(jnp.int32),
+                             r.page_table.astype(jnp.int32), q2, k_pool, v_pool, group=G, tq=tq, stages=stages,
+                             num_splits=num_splits, window=None if window is None else int(window),
+                             interpret=bool(interpret))
+    return combine_splits(acc, m, l, tile_of, local, r.seq < B, G).astype(q.dtype).reshape(T, nh * hd)
+
+
+@functools.partial(jax.jit, static_argnames=("group", "tq", "stages", "num_splits", "window", "interpret"))
+def _read_blocks(layer_arr, tiles, page_table, q2, k_pool, v_pool, *, group, tq, stages, num_splits, window,
+                 interpret):
+    """The kernel's per-split softmax states (acc, m, l) for ``paged_attention_read``. One jitted
+    function for every layer (the layer is an operand): JAX lowers it once per step program, not
+    once per attention layer (each lowering is a whole Mosaic GPU module in the program)."""
+    G, n_tiles = group, tiles.shape[0]
+    _, _, ps, nkv, hd = k_pool.shape
     bp = KEY_BLOCK // ps
     out_rows = -(-tq * G // 8) * 8  # rows written back per tile: whole 8-row SMEM tiles
     dt = k_pool.dtype
@@ -370,8 +385,7 @@ def paged_attention_read(q, k_pool, v_pool, layer, r, window=None, *, num_splits
         plgpu.Barrier(num_barriers=stages * bp),
     ]
     body = functools.partial(_kernel, group=G, page_size=ps, stages=stages, num_splits=num_splits,
-                             window=None if window is None else int(window), scale=hd ** -0.5,
-                             interpret=bool(interpret))
+                             window=window, scale=hd ** -0.5, interpret=interpret)
     kernel = plgpu.kernel(
         body,
         out_type=(jax.ShapeDtypeStruct((num_splits, n_tiles, nkv, out_rows, hd), jnp.float32),
@@ -383,9 +397,7 @@ def paged_attention_read(q, k_pool, v_pool, layer, r, window=None, *, num_splits
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )
-    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
-    acc, m, l = kernel(layer_arr, tiles.astype(jnp.int32), r.page_table.astype(jnp.int32), q2, k_pool, v_pool)
-    return combine_splits(acc, m, l, tile_of, local, r.seq < B, G).astype(q.dtype).reshape(T, nh * hd)
+    return kernel(layer_arr, tiles, page_table, q2, k_pool, v_pool)
 
 
 def combine_splits(acc, m, l, tile_of, local, real, G):

@@ -172,6 +172,28 @@ def test_lowers_for_cuda(mode, nh, nkv, hd, ps, splits):
     assert "mosaic_gpu" in text
 
 
+def test_every_layer_shares_one_lowered_kernel():
+    """Two attention layers in one program lower the read kernel once (one private function called
+    per layer, the layer an operand), so the program's size does not grow by a Mosaic GPU module a
+    layer."""
+    rng = np.random.default_rng(8)
+    q, k, v, kp, vp, _, r = make_batch(rng, [0, 100, 37], [1, 1, 1], nh=16, nkv=2, hd=256, ps=16,
+                                       dtype=jnp.bfloat16)
+
+    def lowered(layers):
+        def step(q, k, v, kp, vp, r):
+            outs = []
+            for layer in layers:
+                out, kp, vp = paged_attention(q, k, v, kp, vp, layer, r, None)
+                outs.append(out)
+            return outs, kp, vp
+        return jax.jit(step).trace(q, k, v, kp, vp, r).lower(lowering_platforms=("cuda",)).as_text()
+
+    one, two = lowered([1]), lowered([0, 1])
+    assert two.count("func.func private @_read_blocks") == 1 and two.count("call @_read_blocks") == 2
+    assert two.count("stablehlo.custom_call") == one.count("stablehlo.custom_call")
+
+
 def test_rejects_bad_shapes():
     rng = np.random.default_rng(0)
     q, k, v, kp, vp, layer, r = make_batch(rng, [3], [1], nh=2, nkv=1, hd=64, ps=16)
