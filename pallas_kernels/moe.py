@@ -367,35 +367,3 @@ def moe_experts(xt, top_w, top_i, gate_up, down, *, gather_below=None, stages=4,
     h = grouped_gemm_padded(xp, gate_up, lay.tiles, fused=True, stages=stages, interpret=interpret)
     y = grouped_gemm_padded(h, down, lay.tiles, row_w, stages=stages, interpret=interpret)
     return y[pos.reshape(n, k)].astype(jnp.float32).sum(axis=1)
-
-
-def main():
-    """Small self-check: ``python -m pallas_kernels.moe [--interpret]``: the kernel (forced) and the
-    default path against ``layers.routed_experts`` at decode and prefill token counts, bf16."""
-    import sys
-
-    import numpy as np
-
-    from jaxserve.models.layers import routed_experts
-
-    interpret = "--interpret" in sys.argv
-    E, k, H, I = (8, 2, 64, 64) if interpret else (64, 8, 2048, 512)
-    rng = np.random.default_rng(0)
-    bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
-    gate_up = bf(rng.normal(size=(E, H, 2 * I)) * H ** -0.5)
-    down = bf(rng.normal(size=(E, I, H)) * I ** -0.5)
-    for n in ((1, 3, 40) if interpret else (1, 8, 512, 4096)):
-        xt = bf(rng.normal(size=(n, H)))
-        top_i = jnp.asarray(np.argsort(rng.random((n, E)), axis=1)[:, :k], jnp.int32)
-        top_w = jax.nn.softmax(jnp.asarray(rng.normal(size=(n, k)), jnp.float32), axis=-1)
-        want = np.asarray(jax.jit(routed_experts)(xt, top_w.astype(xt.dtype), top_i, gate_up, down), np.float32)
-        for name, kw in (("kernel", dict(gather_below=0)), ("default", {})):
-            got = np.asarray(moe_experts(xt, top_w, top_i, gate_up, down, interpret=interpret, **kw))
-            err = float(np.abs(got - want).max())
-            print(f"moe E={E} top{k} H={H} I={I} n={n} {name:7}: max |d| vs ragged_dot {err:.2e} "
-                  f"(max |y| {np.abs(want).max():.2e})")
-            assert np.isfinite(got).all() and err <= 3e-2 * max(1.0, float(np.abs(want).max()))
-
-
-if __name__ == "__main__":
-    main()

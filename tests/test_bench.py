@@ -21,7 +21,8 @@ from jaxserve.bench.client import Conversation, error_text, request_body
 from jaxserve.bench.metrics import STATS, Record, apply_event, describe, percentile, summarize
 from jaxserve.bench.report import render
 from jaxserve.bench.workload import WORDS, BenchError, Item, arrival_times, draw_len, make_workload, random_text
-from jaxserve.cli import DEFAULT_MODEL_DIR, main
+from jaxserve.cli import main
+from jaxserve.engine.flags import DEFAULT_MODEL_DIR
 
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 SUMMARY_KEYS = {"requests", "completed", "errors", "error_sample", "duration_s", "request_throughput",

@@ -18,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxserve import probe
-from jaxserve.cli import DEFAULT_MODEL_DIR, main
+from jaxserve.cli import main
+from jaxserve.engine.flags import DEFAULT_MODEL_DIR
 from tests.engine.faults import FAULTS, FaultyScheduler
 from weights.groundtruth import tasks
 

@@ -19,7 +19,7 @@ import urllib.request
 
 import pytest
 
-from jaxserve.cli import DEFAULT_MODEL_DIR
+from jaxserve.engine.flags import DEFAULT_MODEL_DIR
 from tests.reference.bridge import REPO_ROOT, torch_python
 from tests.test_probe import _probe, serve  # noqa: F401 - serve is a fixture
 

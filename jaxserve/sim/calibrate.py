@@ -157,10 +157,10 @@ def validate(engine: Engine, records, cost: CostModel, policy: str = "fcfs") -> 
 
 
 def _parser(sub: str) -> argparse.ArgumentParser:
-    from jaxserve.cli import _add_engine_flags
+    from jaxserve.engine.flags import add_engine_flags
 
     p = argparse.ArgumentParser(prog=f"jaxserve sim {sub}")
-    _add_engine_flags(p)
+    add_engine_flags(p)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-len", type=int, default=64, help="calibration: tokens per request (decode steps)")
@@ -172,13 +172,13 @@ def _parser(sub: str) -> argparse.ArgumentParser:
 
 
 def main(sub: str, argv: list[str]) -> int:
-    from jaxserve.cli import _engine_args
+    from jaxserve.engine.flags import engine_args
     from jaxserve.engine.llm import build_engine
 
     args = _parser(sub).parse_args(argv)
     # the serving configuration: every program compiled before any measurement, no debug hooks
     args.command, args.debug_snapshot_checksums = "serve", False
-    eargs = _engine_args(args, progress=True)
+    eargs = engine_args(args, progress=True)
     records = load_trace(args.trace) if sub == "validate" else None
     engine = build_engine(eargs)
     import jax

@@ -32,7 +32,7 @@ def schedule(tp=None) -> list:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxserve.cli import DEFAULT_MODEL_DIR
+    from jaxserve.engine.flags import DEFAULT_MODEL_DIR
     from jaxserve.engine import pools as pool_mod
     from jaxserve.engine import runner
     from weights import load_model

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from jaxserve.cli import DEFAULT_MODEL_DIR
+from jaxserve.engine.flags import DEFAULT_MODEL_DIR
 from jaxserve.engine.llm import EngineArgs, build_engine
 from jaxserve.sampling_params import SamplingParams
 from server.app import create_app

@@ -35,7 +35,7 @@ import openai
 import pytest
 from PIL import Image
 
-from jaxserve.cli import DEFAULT_MODEL_DIR
+from jaxserve.engine.flags import DEFAULT_MODEL_DIR
 from jaxserve import cli
 from jaxserve.engine.llm import LLM, EngineArgs, build_engine, image_input, image_placeholder
 from jaxserve.sampling_params import SamplingParams

@@ -7,7 +7,7 @@ within 4 %, finish order tau 1.0, p50 TTFT +68 %); the committed results
 
 from __future__ import annotations
 
-from jaxserve.cli import DEFAULT_MODEL_DIR
+from jaxserve.engine.flags import DEFAULT_MODEL_DIR
 from jaxserve.engine.llm import EngineArgs, build_engine
 from jaxserve.sim import workload
 from jaxserve.sim.calibrate import calibrate, validate
