@@ -45,6 +45,11 @@ KERNELS = ("gdn_decode", "gdn_prefill", "paged_attention", "conv1d", "moe", "pre
 # 1.1-23x faster than ragged_dot from 32 to 4096 tokens, and 1.36x decode tok/s for the real-size
 # qwen3_5_moe in the engine at batch 1 (benchmarks/RESULTS.md "Serving"). No engine hammer on a
 # MoE model yet.
+# 2026-12-06: gdn_decode and paged_attention's read kernel now lower once per step program (the
+# decode kernel on the pool's flat view with the layer folded into its slot ids, the read kernel with
+# the layer as an operand, each through one jitted call); their kernel bodies did not change.
+# Interpret-mode tests (runner hit == cold included) and the cuda lowering pass on the CPU; the GPU
+# check and a decode-step memory check (no pool copy) are owed at the next device call.
 AUTO_ON_GPU: frozenset[str] = frozenset({"gdn_decode", "gdn_prefill", "paged_attention", "conv1d", "moe"})
 # Run only where named in a list: alternatives to a kernel "pallas" already runs.
 BY_NAME_ONLY: frozenset[str] = frozenset({"prefill_fused"})
