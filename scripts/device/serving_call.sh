@@ -5,6 +5,8 @@
 #   decode   in-process decode tok/s (sync vs overlapped loop) and a per-kernel breakdown
 #            (benchmarks/decode_profile.py), with $KERNELS (default auto) at $BATCHES (default 1,32);
 #            it gets the call's time left (CALL_LIMIT, default 590 s) less $E2E_RESERVE
+#   memory   decode-step temporaries with every kernel vs jnp (benchmarks/step_memory.py, 4 layers, pools
+#            large enough that a copy of one would show: a kernel that copies a pool is >0.5 GiB above jnp)
 #   e2e      jaxserve serve + jaxserve bench rows (benchmarks/e2e.py), serve flags in $SERVE_ARGS
 # Needs the HTTP wheels for e2e: ../shared/tools/device-wheels.sh httpx httpcore h11 certifi idna; carry .whl.
 #   PARTS=moe,decode bash scripts/device/serving_call.sh
@@ -29,6 +31,14 @@ if [[ $parts == *,moe,* ]]; then
   echo "moe check rc=$?"; grep -i "pass\|fail\|error" "$OUT/moe_check.log" | tail -12
   timeout 150 python3 benchmarks/kernels.py --only moe --no-peer --out "$OUT" > "$OUT/moe_time.log" 2>&1
   echo "moe timing rc=$?"; tail -12 "$OUT/moe_time.log"
+fi
+if [[ $parts == *,memory,* ]]; then
+  for k in auto jnp; do
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 benchmarks/step_memory.py --layers 4 --kinds decode \
+      --max-seqs 2 --kv-tokens 1048576 --slots 301 --kernels $k --label $k --json "$OUT/decode-memory-$k.json" \
+      > "$OUT/memory-$k.log" 2>&1 &
+  done
+  wait; for k in auto jnp; do echo "== decode memory, kernels $k"; grep "^\[" "$OUT/memory-$k.log"; done
 fi
 if [[ $parts == *,decode,* ]]; then
   timeout ${DECODE_TIMEOUT:-$(( $(left) - ${E2E_RESERVE:-0} ))} python3 benchmarks/decode_profile.py --batches "${BATCHES:-1,32}" \
