@@ -10,6 +10,7 @@
                       [--chat] [--image FILE ...] [--image-max-pixels N] [--ignore-eos] [--json]
                       [engine flags: --page-size, --max-prefill-length, ...]
                       [several hosts: --coordinator-address HOST:PORT --num-processes N --process-id I]
+    jaxserve serve ... --coordinator-address HOST:PORT --num-processes N --process-id I  (likewise)
     jaxserve probe --url URL [--reference-url URL2] [--n 500] [--concurrency 8] [--abort-fraction 0.3]
                    [--seed S] [--needle-tokens MIN MAX] [--json] [--api-key K] [--model NAME]
 
@@ -24,9 +25,11 @@ bar; JAX's persistent cache makes a second start load them), sends one warm-up r
 then listens, so a 200 from ``/health`` means no request waits for a compile (``/metrics``: ``jaxserve_compiles_after_ready_total`` stays 0). Every user error (bad
 folder, bad flag value, prompt too long) goes to stderr as one line and exits with code 2.
 
-``generate`` over several processes (hosts): every process runs the same command with its own
-``--process-id`` (jaxserve/parallel/distributed.py says how they stay in step); process 0 prints
-the results, the others print only errors. ``serve`` refuses these flags.
+``generate`` and ``serve`` over several processes (hosts): every process runs the same command with
+its own ``--process-id`` (jaxserve/parallel/distributed.py says how they stay in step). ``generate``:
+process 0 prints the results, the others print only errors. ``serve``: process 0 serves HTTP and
+the others follow its engine's steps, listening on no port, and exit 0 when it stops (text-only
+models).
 """
 
 from __future__ import annotations
@@ -152,28 +155,22 @@ def _load_images(llm, files: list[tuple[str, bytes]]) -> list:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    """``serve``: check the flags, take the port, build the engine, then ``_serve_engine``. Over
+    several processes only process 0 does the last two; the others follow it (``_follow``)."""
     import time
 
-    from jaxserve.engine import startup
-    from jaxserve.engine.llm import build_engine, image_input
+    from jaxserve.engine.llm import build_engine
 
     try:
         from server import http
-        from server.app import create_app
-        from server.async_engine import AsyncEngine
         from server.limits import HTTPLimits, ImageLimits
-        from server.metrics import Metrics
     except ImportError as e:
         raise UsageError(f"the server needs the 'server' extra (pip install -e '.[server]'): {e}") from None
     if not 0 < args.port < 65536:
         raise UsageError(f"--port must be in 1..65535, got {args.port}")
-    from jaxserve.parallel.distributed import ENV, DistributedSpec
+    from jaxserve.parallel.distributed import DistributedSpec
 
-    if DistributedSpec.resolve(args.coordinator_address, args.num_processes, args.process_id) is not None:
-        raise UsageError(f"serve runs in one process: --coordinator-address / --num-processes / --process-id (or "
-                         f"{', '.join(ENV.values())}) work with generate only, since serving over several processes "
-                         f"needs each step's batch broadcast from process 0, which is not built yet; run one server "
-                         f"per host behind the router instead (README, \"Multiple GPUs\")")
+    spec = DistributedSpec.resolve(args.coordinator_address, args.num_processes, args.process_id)
     try:
         limits = HTTPLimits(timeout_keep_alive=args.timeout_keep_alive, request_read_timeout=args.request_read_timeout,
                             limit_concurrency=args.limit_concurrency)
@@ -188,6 +185,10 @@ def _serve(args: argparse.Namespace) -> int:
     image_limits = ImageLimits(max_images=args.max_images_per_request, allow_urls=args.allow_image_urls,
                                fetch_timeout=args.image_fetch_timeout)
     eargs = engine_args(args, progress=True)
+    if spec is not None:
+        _refuse_images_over_processes(eargs.model)
+        if spec.process_id != 0:
+            return _follow(eargs)
     try:  # take the port before the model loads and compiles: a busy port fails now, not minutes later
         sock = http.bind_socket(args.host, args.port)
     except OSError as e:
@@ -209,6 +210,22 @@ def _serve(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     log(f"loading {eargs.model}, then compiling every step program ...")
     engine = build_engine(eargs)  # compile_all: every program the server can run exists after this
+    with _leading(engine, spec is not None):
+        return _serve_engine(args, eargs, engine, sock, limits, image_limits, name, t0)
+
+
+def _serve_engine(args: argparse.Namespace, eargs, engine, sock, limits, image_limits, name: str, t0: float) -> int:
+    """Warm ``engine`` up with one request, then serve HTTP on ``sock`` until SIGINT / SIGTERM."""
+    import time
+
+    from jaxserve.engine import startup
+    from jaxserve.engine.llm import image_input
+    from server import http
+    from server.app import create_app
+    from server.async_engine import AsyncEngine
+    from server.metrics import Metrics
+
+    log = lambda msg: print(f"jaxserve: {msg}", file=sys.stderr, flush=True)  # noqa: E731
     log(f"loaded and compiled in {time.perf_counter() - t0:.1f}s; one warm-up request through the engine ...")
     t1, steps = time.perf_counter(), startup.step_compiles()
     warm = engine.tokenizer.encode("Hello") or [0]
@@ -240,6 +257,46 @@ def _serve(args: argparse.Namespace) -> int:
         async_engine.stop()
         sock.close()
     return 0
+
+
+def _refuse_images_over_processes(model: str) -> None:
+    """``serve`` over several processes takes text only: an image's tower runs on process 0 alone,
+    and its table would have to reach the followers (``jaxserve.engine.llm.lead`` sends host
+    arrays only). Checked on config.json before any process loads the weights."""
+    from pathlib import Path
+
+    from jaxserve.config import ModelConfig
+
+    if ModelConfig.from_file(Path(model) / "config.json").vision is not None:
+        raise UsageError(f"serve over several processes takes text-only models; {model} has a vision tower "
+                         f"(serve it in one process, or one server per host behind the router)")
+
+
+def _follow(eargs) -> int:
+    """``serve`` on a process other than 0: load and compile the same engine, then run every
+    device program process 0's server runs (``jaxserve.engine.llm.follow``) until it stops."""
+    from jaxserve.engine.llm import build_engine, follow
+
+    follow(build_engine(eargs))
+    return 0
+
+
+@contextlib.contextmanager
+def _leading(engine, several: bool):
+    """Process 0 of ``serve`` over several processes: ``engine`` leads the followers for the body,
+    whose end sends them "stop" (or "fail" when it raises). One process: nothing."""
+    if not several:
+        yield
+        return
+    from jaxserve.engine.llm import lead
+
+    channel = lead(engine)
+    try:
+        yield
+    except BaseException:
+        channel.send("fail")
+        raise
+    channel.send("stop")
 
 
 def _warm_up_image(engine, images, text_ids: list[int]) -> None:
@@ -407,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "serve":
-            return _serve(args)
+            return _or_leave(_serve, args)
         if args.command == "probe":
             from jaxserve import probe
 
@@ -432,15 +489,14 @@ def _user_error(e: Exception) -> int:
     return 2
 
 
-def _generate_and_print(args: argparse.Namespace) -> int:
-    """``generate``: over several processes every one runs it and process 0 prints the results.
-    A process that fails there leaves at once (``distributed.leave_now``) instead of returning: the
-    others would wait for it in their next collective, and it for them in JAX's shutdown barrier."""
+def _or_leave(run, args: argparse.Namespace):
+    """``run(args)``. Over several processes, a process that fails leaves at once
+    (``distributed.leave_now``) instead of returning: the others would wait for it in their next
+    collective (or message), and it for them in JAX's shutdown barrier."""
     from jaxserve.parallel import distributed
 
     try:
-        with _stdout_to_stderr():
-            outs = _generate(args)
+        return run(args)
     except Exception as e:
         if not distributed.is_initialized():
             raise
@@ -450,6 +506,15 @@ def _generate_and_print(args: argparse.Namespace) -> int:
             traceback.print_exc()
             code = 1
         distributed.leave_now(code)
+
+
+def _generate_and_print(args: argparse.Namespace) -> int:
+    """``generate``: over several processes every one runs it and process 0 prints the results
+    (a process that fails leaves at once: ``_or_leave``)."""
+    from jaxserve.parallel import distributed
+
+    with _stdout_to_stderr():
+        outs = _or_leave(_generate, args)
     if distributed.is_main_process():
         for out in outs:
             print(json.dumps(out) if args.json else out["text"])

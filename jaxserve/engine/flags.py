@@ -93,14 +93,15 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "backends run; default: %(default)s)")
     p.add_argument("--expert-parallel", action="store_true",
                    help="with --tensor-parallel-size: split routed experts by expert id instead of by intermediate")
-    hosts = "several processes (hosts) as one runtime, generate only; all three or none"
+    hosts = ("several processes (hosts) as one runtime (serve: process 0 serves HTTP, the others follow its "
+             "steps); all three or none")
     p.add_argument("--coordinator-address", default=d["coordinator_address"], metavar="HOST:PORT",
                    help=f"{hosts}: process 0's address, reachable from every process (default: "
                         f"$JAXSERVE_COORDINATOR_ADDRESS); --tensor-parallel-size then counts every process's devices")
     p.add_argument("--num-processes", type=int, default=d["num_processes"], metavar="N",
                    help=f"{hosts}: processes in all (default: $JAXSERVE_NUM_PROCESSES)")
     p.add_argument("--process-id", type=int, default=d["process_id"], metavar="I",
-                   help=f"{hosts}: this process, 0..N-1; 0 prints the results (default: $JAXSERVE_PROCESS_ID)")
+                   help=f"{hosts}: this process, 0..N-1; 0 prints the results or serves (default: $JAXSERVE_PROCESS_ID)")
     from jaxserve.multimodal.preprocess import DEFAULT_MAX_PIXELS, MAX_PIXELS_ENV
 
     p.add_argument("--image-max-pixels", type=int, default=d["image_max_pixels"], metavar="N",

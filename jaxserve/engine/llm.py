@@ -19,6 +19,7 @@ import dataclasses
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Sequence
 
@@ -32,7 +33,7 @@ from jaxserve.engine.engine import Engine, RequestOutput
 from jaxserve.engine.policy import make_policy
 from jaxserve.engine import startup
 from jaxserve.engine.pools import MiB, device_budget, init_pools
-from jaxserve.engine.runner import Buckets, DeviceExecutor, Placement, warmup
+from jaxserve.engine.runner import Batch, Buckets, DeviceExecutor, Placement, warmup
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.models import backends
@@ -82,7 +83,7 @@ class EngineArgs:
     # device, no mesh. expert_parallel: split routed experts by expert id instead of by intermediate.
     tensor_parallel_size: int = 1
     expert_parallel: bool = False
-    # Several processes (hosts) as one runtime, offline generation only (jaxserve/parallel/distributed.py):
+    # Several processes (hosts) as one runtime (jaxserve/parallel/distributed.py; serve: process 0 leads):
     # all three, or none for the JAXSERVE_* variables or one process. tensor_parallel_size then
     # counts every process's devices.
     coordinator_address: str | None = None  # HOST:PORT of process 0
@@ -248,6 +249,42 @@ def build_engine(args: EngineArgs) -> Engine:
     engine = Engine(scheduler, executor, vocab_size=cfg.vocab_size, tokenizer=tokenizer,
                     debug_snapshot_checksums=args.debug_snapshot_checksums, overlap=args.overlap_schedule)
     return engine
+
+
+def lead(engine: Engine) -> distributed.Channel:
+    """Make process 0's ``engine`` lead the other processes (``serve``; distributed.py says how):
+    its executor sends every device program it runs to the followers (``follow``) first. Returns
+    the channel, for the last message: ``channel.send("stop")`` once the engine has stopped (or
+    ``"fail"`` when process 0 fails), from the thread that ran the engine or after it ended."""
+    channel = distributed.Channel()
+    engine.executor.announce = lambda program, batch: channel.send(
+        program, None if batch is None else batch._asdict())
+    return channel
+
+
+def follow(engine: Engine) -> None:
+    """Run, on a process other than 0, every device program process 0's engine runs (``lead``),
+    until process 0 says stop. Only ``engine.executor`` is used: the scheduler lives in process 0.
+    Raises ``RuntimeError`` when process 0 failed, ``ConnectionError`` when it is gone.
+
+    A step that fails here is reported and left, as process 0's engine does with its own: the
+    same step fails there, and process 0 then sends the reset it decides on, if any."""
+    executor, channel = engine.executor, distributed.Channel()
+    while True:
+        program, arrays = channel.receive()
+        if program == "step":
+            try:
+                executor.launch(Batch(**arrays))
+            except Exception:  # noqa: BLE001 - process 0 meets the same failure and decides
+                traceback.print_exc()
+        elif program == "reset":
+            executor.reset()
+        elif program == "stop":
+            executor.barrier()
+            return
+        else:
+            raise RuntimeError("process 0 failed (its log says why)" if program == "fail" else
+                               f"unknown message {program!r} from process 0")
 
 
 class LLM:

@@ -413,11 +413,17 @@ class DeviceExecutor:
     Duck-typed on the scheduler's plan (``plan.rows``: ``req``, ``start``, ``tokens``,
     ``restore_src``, ``snapshots``; ``req.pages``, ``req.slot``, ``req.sampling``,
     ``req.output_ids``, optionally ``req.images``) so the runner does not import the scheduler
-    (imports point down)."""
+    (imports point down).
+
+    Over several processes (``jaxserve.engine.llm.lead``), ``announce(program, batch)`` is called
+    before each device program this executor runs with host inputs: ``"step"`` with the step's
+    ``Batch`` (``launch``), ``"reset"`` with None (``reset``). Followers replay each with the same
+    call, so every process runs the same programs on the same inputs in the same order."""
 
     def __init__(self, params, cfg: ModelConfig, pools: Pools, buckets: Buckets, placement: Placement | None = None):
         self.params, self.cfg, self.pools, self.buckets = params, cfg, pools, buckets
         self.placement = placement
+        self.announce = None  # Callable[[str, Batch | None], None], or None in a single process
         self._pool_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), pools)
         self._feed = feed_buffer(buckets.seqs[-1])  # every bucket has at most max_seqs rows
 
@@ -441,10 +447,16 @@ class DeviceExecutor:
         batch = make_batch(rows, self.buckets)
         table = (vision.step_image_table(self.params["vision"], self.cfg.vision, pieces, batch.tokens.shape[0])
                  if pieces else None)
-        out, self.pools = step(self.params, self.cfg, self.pools, batch, feed_tokens=self._feed, image_table=table,
-                               placement=self.placement)
+        return self.launch(batch, table), len(rows)
+
+    def launch(self, batch: Batch, image_table=None) -> StepOutput:
+        """Run one packed step on the pools, its feeds read from the previous step's output."""
+        if self.announce is not None:
+            self.announce("step", batch)
+        out, self.pools = step(self.params, self.cfg, self.pools, batch, feed_tokens=self._feed,
+                               image_table=image_table, placement=self.placement)
         self._feed = out.feed_tokens
-        return out, len(rows)
+        return out
 
     def fetch(self, handle: tuple[StepOutput, int]) -> tuple[list[int], list[float]]:
         out, n = handle
@@ -462,9 +474,15 @@ class DeviceExecutor:
                 return False
         except Exception:  # noqa: BLE001 - an error array: the failed step's outputs
             pass
+        self.reset()
+        return True
+
+    def reset(self) -> None:
+        """Re-create the pools empty and the feed buffer."""
+        if self.announce is not None:
+            self.announce("reset", None)
         self.pools = allocate(self._pool_shapes, None if self.placement is None else self.placement.pools)
         self._feed = feed_buffer(self.buckets.seqs[-1])
-        return True
 
     def barrier(self) -> None:
         jax.block_until_ready(self.pools)

@@ -13,9 +13,9 @@ every process).
 Call before anything touches a device: JAX fixes its backends at first use, and a process that
 started them without the coordinator sees only its own devices.
 
-Scope: offline generation (``jaxserve generate``, ``LLM.generate``) runs over processes, the model
-split over every process's devices (tests/parallel/test_multihost.py). No step's batch crosses
-between processes: every process runs the same host scheduler on the same requests, and that
+Offline generation (``jaxserve generate``, ``LLM.generate``) runs over processes, the model split
+over every process's devices (tests/parallel/test_multihost.py). No step's batch crosses between
+processes there: every process runs the same host scheduler on the same requests, and that
 scheduler is deterministic (arrival counters, the radix tree's logical clock, no wall-clock time in
 a built-in policy, seeded sampling inside the step; the overlapped loop plans step N+1 before
 reading step N whatever the timing), so every process issues the same steps in the same order and
@@ -29,22 +29,33 @@ The persistent compile cache may be one directory shared by the processes: JAX w
 process 0 only.
 
 An error only one process meets (a missing file, a failed step) leaves the others waiting in their
-next collective: ``jaxserve generate`` then ends that process with ``leave_now``, and the others
+next collective: ``jaxserve generate`` and ``serve`` then end that process with ``leave_now``, and the others
 fail at that collective or are ended by JAX's coordination service. A program of its own using
 ``LLM`` over processes should do the same.
 
-``serve`` does not run over processes: requests reach one process at their own times, so process
-0 would have to broadcast each step's batch; the CLI refuses the flags there (run one server per
-host behind the router).
+``serve`` runs over processes the other way round: requests reach process 0 at their own times, so
+only process 0 runs the HTTP server, the scheduler and the engine, and the others follow it
+(``Channel``): before each device program that runs under the mesh with host inputs (a step, the
+pools' re-creation after a failed step), process 0's executor sends the program's name and its host
+arrays, and every follower runs the same program on the same arrays, in the same order
+(``jaxserve.engine.llm.lead`` / ``follow``). A step's feed buffer and pools are device arrays each
+process updates alike, so nothing else needs sending. Process 0 ends the followers with a last
+message when it stops; a follower whose process 0 is gone fails (the coordination service lives in
+process 0). A model with a vision tower is refused there: an image's table is computed on process 0
+and is no host input. ``debug_snapshot_checksums`` reads a slot of pools sharded over processes,
+which no process holds whole: it does not work over processes (nor does it in ``generate``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import os
 import sys
 from typing import NoReturn, Sequence
+
+import numpy as np
 
 ENV = {"coordinator": "JAXSERVE_COORDINATOR_ADDRESS", "num_processes": "JAXSERVE_NUM_PROCESSES",
        "process_id": "JAXSERVE_PROCESS_ID"}
@@ -129,7 +140,6 @@ def is_main_process() -> bool:
 def _gather(values: Sequence[int]):
     """[num_processes, len(values)] int32: every process's ``values`` (a collective: every process
     must call it at the same point of the program)."""
-    import numpy as np
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(np.asarray(values, np.int32)))
@@ -163,3 +173,51 @@ def require_same(what: str, text: str) -> None:
     if differ:
         raise ValueError(f"every process must be given the same {what}; process(es) {differ} differ from "
                          f"process 0")
+
+
+class Channel:
+    """Messages from process 0 to every other process, in order, through the coordination service's
+    key-value store (``jax.distributed``'s client): message n is the key ``jaxserve/msg/n``. Each
+    message is a name and named numpy arrays (``np.savez``, no pickle).
+
+    Not a collective: a follower waits as long as process 0 sends nothing (an idle server), which a
+    collective's timeout would not allow, and fails as soon as the store is gone with process 0.
+    Process 0 deletes message n - ``KEEP`` when it sends message n: a follower is never that far
+    behind, since each message names a program that needs every process, and process 0 reads
+    each step's tokens before it dispatches two more."""
+
+    KEEP = 16
+    POLL_MS = 10_000  # a follower's wait per try; it tries again while the store is there
+
+    def __init__(self, prefix: str = "jaxserve/msg"):
+        from jax._src import distributed as jax_distributed
+
+        self._client = jax_distributed.global_state.client
+        if self._client is None:
+            raise RuntimeError("a Channel needs a runtime of several processes (initialize)")
+        self._prefix, self._sent, self._read = prefix, 0, 0
+
+    def send(self, name: str, arrays: dict[str, np.ndarray] | None = None) -> None:
+        """(Process 0) Append a message for every follower."""
+        buf = io.BytesIO()
+        np.savez(buf, __name__=np.array(name), **(arrays or {}))
+        self._client.key_value_set_bytes(f"{self._prefix}/{self._sent}", buf.getvalue())
+        if self._sent >= self.KEEP:
+            self._client.key_value_delete(f"{self._prefix}/{self._sent - self.KEEP}")
+        self._sent += 1
+
+    def receive(self) -> tuple[str, dict[str, np.ndarray]]:
+        """(A follower) The next message: blocks until process 0 sends it. Raises ``ConnectionError``
+        when the store is gone (process 0 died)."""
+        key = f"{self._prefix}/{self._read}"
+        while True:
+            try:
+                data = self._client.blocking_key_value_get_bytes(key, self.POLL_MS)
+                break
+            except Exception as e:  # noqa: BLE001 - jaxlib's runtime error; its status says which
+                if "DEADLINE_EXCEEDED" not in str(e):
+                    raise ConnectionError(f"process 0 is gone (the coordination service does not answer): {e}") from e
+        self._read += 1
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+        return str(arrays.pop("__name__")), arrays

@@ -7,7 +7,7 @@ devices each (gloo collectives), the shipped default model split over all four d
   and process 1 prints nothing; processes given different engine flags (or a mesh short of a
   process) both fail at once with one line; a process that fails alone takes the other down with
   it instead of leaving it waiting in a collective.
-- How the settings are read and checked, and ``serve``'s refusal of them."""
+- How the settings are read and checked (``serve`` over processes: test_multihost_serve.py)."""
 
 from __future__ import annotations
 
@@ -130,10 +130,3 @@ def test_a_process_that_fails_alone_ends_both(tmp_path):
     runs = _generate_over_two_processes(tmp_path, [[], ["--model", str(tmp_path / "missing")]])
     assert runs[1][0] == 2 and "no config.json" in runs[1][2], runs[1][2][-3000:]
     assert runs[0][0] != 0, "process 0 must fail (its peer is gone), not hang or succeed"
-
-
-def test_serve_refuses_several_processes(capsys):
-    assert cli.main(["serve", "--coordinator-address", "127.0.0.1:1234", "--num-processes", "2",
-                     "--process-id", "0"]) == 2
-    err = capsys.readouterr().err
-    assert "serve runs in one process" in err and "behind the router" in err
