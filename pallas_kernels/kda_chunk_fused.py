@@ -54,7 +54,8 @@ Costs to know: the scores take four WGMMA pairs of which a quarter of the rows a
 ``K Kᵀ`` / ``q Kᵀ`` tensor-core work of GDN), and the ``dv / 64`` programs of a head each recompute
 the chunk's A, T and w, as in ``gdn_chunk_fused``.
 
-Contract: ``g [T, Hv, dk]`` (per-channel log-decay, ``>= -10`` per token for the accuracy above),
+Contract: ``g [T, Hv, dk]`` (per-channel log-decay; one below ``MIN_LOG_DECAY`` = -10 per token counts
+as -10, which changes what survives of the old state by less than 4.6e-5 of it),
 ``dk`` in {64, 128}, ``dv % 64 == 0``, ``chunk_size == 64``.
 
 Status: checked in interpret mode only; not yet measured on a GPU. ``benchmarks/gpu_check.py
@@ -257,6 +258,15 @@ def supports(dk: int, dv: int, matmul_dtype=jnp.bfloat16, interpret: bool = Fals
     return not _tiling_problems(dk, dv, CHUNK, matmul_dtype, interpret)
 
 
+# The strongest per-token, per-channel log-decay the kernel takes as given; stronger ones count as
+# this. The sub-block scores keep exponents up to 8 |g| (module docstring), finite in fp32 up to
+# |g| = 11, and a decay below e^-10 leaves less than 4.6e-5 of the old state in that channel where the
+# exact decay leaves less still: a difference under bf16's resolution (2^-8), where without the
+# clamp the scores overflow and the outputs come back NaN (Kimi-Linear's gates, -exp(A_log) *
+# softplus(...), reach such values).
+MIN_LOG_DECAY = -10.0
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "max_chunks", "matmul_dtype", "interpret"))
 def _fused(q, k, v, g, beta, cu_seqlens, initial_state, snapshot_seq, snapshot_len, start_pos,
            *, scale, use_qk_l2norm, max_chunks, matmul_dtype, interpret):
@@ -279,8 +289,9 @@ def _fused(q, k, v, g, beta, cu_seqlens, initial_state, snapshot_seq, snapshot_l
         plgpu.Barrier(num_barriers=6),                            # q, k, v, G, beta, initial state
     ]
 
-    def gate_inputs(grid):  # G = within-chunk cumsum of g [M, Hv, C, dk]; beta [M, Hv, C]
-        return jnp.cumsum(grid(g.astype(f32)), axis=-2), grid(beta.astype(f32)[..., None])[..., 0]
+    def gate_inputs(grid):  # G = within-chunk cumsum of max(g, MIN_LOG_DECAY) [M, Hv, C, dk]; beta [M, Hv, C]
+        return (jnp.cumsum(grid(jnp.maximum(g.astype(f32), MIN_LOG_DECAY)), axis=-2),
+                grid(beta.astype(f32)[..., None])[..., 0])
 
     return launch_fused(functools.partial(_kernel, group=Hv // Hk, mm_dtype=mm), scratch, gate_inputs, q, k, v,
                         cu_seqlens, initial_state, snapshot_seq, snapshot_len, start_pos, scale=scale,

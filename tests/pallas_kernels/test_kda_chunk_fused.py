@@ -58,13 +58,15 @@ def test_ragged_resumed_strong_gates_and_every_boundary():
     """GQA (Hk=1, Hv=2); lengths 1, 0, 64 and 150 starting at 5, 9, 128 and 37: a one-token
     sequence, an empty one, an exact chunk resumed on a boundary and a sequence resumed mid-chunk
     (a 27-token first chunk, a partial last one); 16 tokens of padding. Half the channels decay by
-    up to e^-10 per token and the last one by exactly e^-10 every token (the kernel's documented
-    limit, where a sub-block's exponents reach 80 of fp32's 88): a chunk's cumulative log-decay
-    reaches -640, so e^G_i · e^-G_j would overflow many times over."""
+    up to e^-10 per token, one by exactly e^-10 every token (``MIN_LOG_DECAY``, where a sub-block's
+    exponents reach 80 of fp32's 88) and the last by e^-25 (Kimi-Linear's gates reach past -10;
+    the kernel takes it as -10, the references do not: the results still agree to fp32 rounding,
+    where before the clamp they were NaN): a chunk's cumulative log-decay reaches -1600, so
+    e^G_i · e^-G_j would overflow many times over."""
     rng = np.random.default_rng(0)
     lens = [1, 0, 64, 150]
     x, cu, init = make_inputs(rng, lens=lens, T=sum(lens) + 16, Hk=1, Hv=2, dk=64, dv=64, max_decay=10.0)
-    x["g"] = x["g"].at[..., -1].set(-10.0)
+    x["g"] = x["g"].at[..., -2].set(-10.0).at[..., -1].set(-25.0)
     assert float(jnp.min(jnp.sum(x["g"][:64], axis=0))) < -88  # e^-G_j alone would overflow fp32
     check(x, cu, init, jnp.asarray([5, 9, 128, 37], jnp.int32), matmul_dtype=jnp.float32)
 
