@@ -135,6 +135,10 @@ def test_serve_over_two_processes_equals_one_device(pair, tmp_path, capsys):
 
 
 def test_a_follower_whose_leader_dies_fails(pair):
+    """A follower never outlives process 0: it fails, either at its next message (the channel's
+    own error) or first through JAX's coordination agent, which ends every process once another
+    task died (whichever notices first: a race, both are the same failure)."""
     pair.procs[0].kill()
     assert pair.wait(1) != 0
-    assert "process 0 is gone" in pair.log(1), pair.log(1)
+    log = pair.log(1)
+    assert "process 0 is gone" in log or "distributed service detected fatal errors" in log, log
