@@ -63,7 +63,10 @@ def decode_rate(engine, batch: int, prompt_len: int, new: int, seed: int, output
             "steps": len(stamps)}
 
 
-def kernel_breakdown(engine, batch: int, prompt_len: int, seed: int) -> dict | None:
+def kernel_breakdown(engine, batch: int, prompt_len: int, seed: int, hlo_out: Path | None = None) -> dict | None:
+    """The per-kernel GPU time of one decode step of ``batch`` rows (median of 5), its 16 costliest
+    kernels each named by the JAX ops it runs (``profiling.hlo_sources`` over the decode program's
+    optimised HLO, which is also written to ``hlo_out`` if given)."""
     from jaxserve import profiling
     from jaxserve.sampling_params import SamplingParams
 
@@ -85,7 +88,66 @@ def kernel_breakdown(engine, batch: int, prompt_len: int, seed: int) -> dict | N
     engine.overlap = overlap
     while engine.has_work():
         engine.step()
-    return profiling.summarize(per, top=12) if per else None
+    if not per:
+        return None
+    ex = engine.executor
+    B = next(b for b in ex.buckets.seqs if b >= batch)
+    return named_breakdown(engine, per, (B, B, ex.buckets.snapshot_sizes(B, True)[0], True), hlo_out)
+
+
+def prefill_breakdown(engine, length: int, seed: int, hlo_out: Path | None = None) -> dict | None:
+    """One cold prompt of ``length`` random tokens and one output token on an idle engine: its wall
+    time (the in-process TTFT, median of 3) and the per-kernel GPU time of its prefill step, named
+    like ``kernel_breakdown``'s."""
+    from jaxserve import profiling
+    from jaxserve.sampling_params import SamplingParams
+
+    rng = random.Random(seed)
+    overlap, engine.overlap = engine.overlap, False
+    walls = []
+
+    def run():  # a new random prompt each call: never a prefix hit
+        t0 = time.perf_counter()
+        engine.add_request(random_ids(rng, engine, length), SamplingParams(max_tokens=1, ignore_eos=True))
+        while engine.has_work():
+            engine.step()
+        engine.executor.barrier()
+        walls.append(time.perf_counter() - t0)
+
+    run()  # compiles
+    walls.clear()
+    for _ in range(3):
+        run()
+    per = profiling.kernel_timings(run, 3)
+    engine.overlap = overlap
+    engine.scheduler.cache.flush()
+    wall = {"length": length, "wall_ms_p50": round(sorted(walls[:3])[1] * 1e3, 2)}
+    if not per:
+        return wall
+    b = engine.executor.buckets
+    T = next(t for t in b.tokens if t >= length)
+    return {**wall, **named_breakdown(engine, per, (T, b.rows_for(T), b.snapshot_sizes(T, False)[-1], False), hlo_out)}
+
+
+def named_breakdown(engine, per, program, hlo_out: Path | None) -> dict:
+    """``profiling.summarize`` of ``per`` (16 costliest kernels) plus the kernel count per call and
+    each costly kernel's JAX ops (``profiling.hlo_sources`` over ``program``'s optimised HLO, which
+    is also written to ``hlo_out`` if given)."""
+    from jaxserve import profiling
+    from jaxserve.engine import runner
+
+    res = profiling.summarize(per, top=16)
+    res["kernels_per_call"], res["program"] = len(per[0]), list(program)
+    ex = engine.executor
+    try:  # the same program, from the persistent compilation cache: its kernel names are the profile's
+        text = runner.lower_step(ex.params, ex.cfg, ex.pools, ex.buckets, program).compile().as_text()
+    except Exception as e:  # noqa: BLE001 - the breakdown stands without names
+        log(f"no HLO for {program}: {type(e).__name__}: {e}")
+        return res
+    if hlo_out is not None:
+        hlo_out.write_text(text)
+    res["ops"] = profiling.hlo_sources(text, res["kernel_breakdown_ms"])
+    return res
 
 
 def agreement(base: dict, other: dict) -> dict:
@@ -108,6 +170,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--kernels", default="auto", help="';'-separated settings of EngineArgs.kernels")
     ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--prefill-lens", default="", help="prompt lengths whose cold prefill step to break down first")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new", type=int, default=128, help="tokens generated per request")
     args = ap.parse_args()
@@ -125,6 +188,11 @@ def main() -> None:
     res = {"device": jax.devices()[0].device_kind, "settings": settings, "rows": [], "breakdown": {},
            "agreement": {}}
     base_cfg, tokens = engine.executor.cfg, {}
+    for n in [int(x) for x in args.prefill_lens.split(",") if x]:
+        bd = prefill_breakdown(engine, n, seed=300 + n, hlo_out=args.out.with_name(f"{args.out.stem}-prefill{n}.hlo.txt"))
+        res["breakdown"][f"{settings[0]} prefill {n}"] = bd
+        log(f"prefill {n}: {json.dumps(bd, indent=1)[:4000]}")
+        args.out.write_text(json.dumps(res, indent=1))
     for b in map(int, args.batches.split(",")):  # batch outermost: a cut-short run still compares settings
         for k, kernels in enumerate(settings):
             engine.executor.cfg = dataclasses.replace(base_cfg, kernels=kernels)  # static under jit: new programs
@@ -146,9 +214,10 @@ def main() -> None:
             if k > 0:
                 res["agreement"][f"{kernels} b{b}"] = agreement(tokens[(0, b)], tokens[(k, b)])
                 log(f"agreement {kernels} b{b}: {res['agreement'][f'{kernels} b{b}']}")
-            bd = kernel_breakdown(engine, b, args.prompt_len, seed=200 + b)
+            bd = kernel_breakdown(engine, b, args.prompt_len, seed=200 + b,
+                                  hlo_out=args.out.with_name(f"{args.out.stem}-b{b}-{k}.hlo.txt"))
             res["breakdown"][f"{kernels} b{b}"] = bd
-            log(f"{kernels} b={b} kernels: {json.dumps(bd)[:1200]}")
+            log(f"{kernels} b={b} kernels: {json.dumps(bd, indent=1)[:4000]}")
             engine.scheduler.cache.flush()
             args.out.write_text(json.dumps(res, indent=1))
 

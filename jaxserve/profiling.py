@@ -8,6 +8,8 @@ function returns None and the callers fall back to wall-clock time.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Callable
 
 
@@ -60,3 +62,51 @@ def summarize(per_call: list[list[tuple[str, float]]], top: int = 6, divide: flo
     costliest = sorted(((float(np.median(v)), n) for n, v in by_name.items()), reverse=True)[:top]
     return dict(kernel_ms=float(np.median(totals)), kernel_ms_spread=float(np.ptp(totals)),
                 kernels=sorted(by_name)[:8], kernel_breakdown_ms={n: round(t, 5) for t, n in costliest})
+
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+)\s+([\w\-]+)\(")
+_COMPUTATION = re.compile(r"^\s*%?([\w.\-]+)\s.*\{\s*$")
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_SOURCE = re.compile(r'source_file="([^"]*)"\s+source_line=(\d+)')
+
+
+_NOISE = re.compile(r"^(jit\(.*\)|vmap\(.*\)|while|body|cond|eval_jaxpr|_step\..*)$")
+
+
+def _op_tail(op_name: str) -> str:
+    """A JAX op_name without its jit/vmap/loop wrappers, last three parts
+    (``jit(_step)/moe/shared_expert/jit(silu)/mul`` -> ``moe/shared_expert/mul``): the model's
+    named scopes and the primitive."""
+    return "/".join([part for part in op_name.split("/") if not _NOISE.match(part)][-3:])
+
+
+def hlo_sources(hlo_text: str, names) -> dict[str, str]:
+    """For each kernel name of ``names`` that names an instruction of the optimised HLO text
+    ``hlo_text`` (XLA names a fusion's kernel after the fusion; identical fusions share the first
+    one's kernel), ``"<opcode> <shape> <file:line>: <op names inside>"``: which JAX operations a
+    kernel of a breakdown runs (a fusion lists the distinct op names of its fused computation, at
+    most six). cuBLAS/cuDNN kernels (named by the library) have no entry."""
+    wanted, found, inside, comp = set(names), {}, {}, None
+    lines = hlo_text.splitlines()
+    for line in lines:  # op names of every computation's instructions, for the fusions' bodies
+        c = _COMPUTATION.match(line)
+        if c and "=" not in line.split("{")[0]:
+            comp = c.group(1)
+            inside[comp] = []
+        elif comp is not None and (op := _OP_NAME.search(line)):
+            tail = _op_tail(op.group(1))
+            if tail not in inside[comp]:
+                inside[comp].append(tail)
+    for line in lines:
+        m = _INSTR.match(line)
+        if not m or m.group(1) not in wanted or m.group(1) in found:
+            continue
+        src = _SOURCE.search(line)
+        where = f" {Path(src.group(1)).name}:{src.group(2)}" if src else ""
+        calls = _CALLS.search(line)
+        ops = inside.get(calls.group(1), []) if calls else []
+        if not ops and (op := _OP_NAME.search(line)):
+            ops = [_op_tail(op.group(1))]
+        found[m.group(1)] = f"{m.group(3)} {m.group(2)}{where}: {', '.join(ops[:6])}"
+    return found

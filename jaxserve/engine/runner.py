@@ -286,7 +286,8 @@ def _step(params, cfg: ModelConfig, pools: Pools, batch: Batch, feed_tokens: jax
     images = None if image_table is None else decoder.Images(batch.image_row, *image_table, batch.rope_pos)
     logits, pools = decoder.forward_ragged(params, cfg, tokens_in, r, pools, decode=decode, images=images)
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(batch.seed, batch.sample_idx)
-    tokens, logprobs = sample(logits, keys, batch.temperature, batch.top_k, batch.top_p)
+    with jax.named_scope("sample"):
+        tokens, logprobs = sample(logits, keys, batch.temperature, batch.top_k, batch.top_p)
     feed_out = lax.dynamic_update_slice(feed_tokens, tokens[: feed_tokens.shape[0]], (0,))
     return StepOutput(tokens, logprobs, feed_out, logits if return_logits else None), pools
 

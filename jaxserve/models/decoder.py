@@ -108,14 +108,17 @@ def _layer(p: dict, cfg: ModelConfig, i: int, j: int, x: jax.Array, r: Ragged, p
     p, x = jax.lax.optimization_barrier((p, x))
     h = rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
     if layer_type == LINEAR_ATTENTION:
-        h, conv, rec = gated_deltanet.gated_deltanet(p["linear_attn"], cfg, h, r, pools.conv, pools.rec, j, decode)
+        with jax.named_scope("linear_attn"):  # names the ops in profiles (jaxserve.profiling.hlo_sources)
+            h, conv, rec = gated_deltanet.gated_deltanet(p["linear_attn"], cfg, h, r, pools.conv, pools.rec, j, decode)
         pools = pools._replace(conv=conv, rec=rec)
     else:
-        h, k, v = attention(p["self_attn"], cfg, layer_type, h, r, pools.k, pools.v, j)
+        with jax.named_scope("self_attn"):
+            h, k, v = attention(p["self_attn"], cfg, layer_type, h, r, pools.k, pools.v, j)
         pools = pools._replace(k=k, v=v)
     x = x + h
     h = rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
-    h = moe(p["mlp"], cfg, h) if cfg.moe_layers[i] else mlp(p["mlp"], h)
+    with jax.named_scope("moe" if cfg.moe_layers[i] else "mlp"):
+        h = moe(p["mlp"], cfg, h) if cfg.moe_layers[i] else mlp(p["mlp"], h)
     return x + h, pools
 
 
@@ -161,7 +164,8 @@ def forward_ragged(params: dict, cfg: ModelConfig, tokens: jax.Array, r: Ragged,
         x = x[jnp.maximum(r.cu_seqlens[1:] - 1, 0)]
     x = rms_norm(x, params["norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
     lm_head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return (x @ lm_head).astype(jnp.float32), pools
+    with jax.named_scope("lm_head"):
+        return (x @ lm_head).astype(jnp.float32), pools
 
 
 def make_ragged(positions, cu_seqlens, context_len, page_table, read_slot, write_slot,

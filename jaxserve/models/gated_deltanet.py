@@ -234,8 +234,10 @@ def gated_deltanet(p: dict, cfg: ModelConfig, x: jax.Array, r: Ragged, conv_pool
                    layer: int, decode: bool):
     """x [T, H] ragged (see ``Ragged``); ``layer`` indexes this layer in the slot pools; ``decode``
     (static) means every row has exactly one token, in row order. Returns (y, conv_pool, rec_pool)."""
-    mixed, z, beta, g = project(p, cfg, x)
-    mixed, conv_final, conv_snaps = _short_conv(cfg, mixed, p["conv_w"], _initial(conv_pool, layer, r), r, decode)
+    with jax.named_scope("project"):
+        mixed, z, beta, g = project(p, cfg, x)
+    with jax.named_scope("conv"):
+        mixed, conv_final, conv_snaps = _short_conv(cfg, mixed, p["conv_w"], _initial(conv_pool, layer, r), r, decode)
     q, k, v = split_qkv(cfg, mixed)
     if decode and use_decode_kernel(cfg, q.dtype):
         o, rec_pool = _decode_in_pool(cfg, q, k, v, g, beta, rec_pool, layer, r)
@@ -243,4 +245,5 @@ def gated_deltanet(p: dict, cfg: ModelConfig, x: jax.Array, r: Ragged, conv_pool
         o, rec_final, rec_snaps = _delta_rule(cfg, q, k, v, g, beta, _initial(rec_pool, layer, r), r, decode)
         rec_pool = _store(rec_pool, layer, r, rec_final, rec_snaps)
     conv_pool = _store(conv_pool, layer, r, conv_final, conv_snaps)
-    return output(p, cfg, o, z), conv_pool, rec_pool
+    with jax.named_scope("output"):
+        return output(p, cfg, o, z), conv_pool, rec_pool

@@ -317,7 +317,8 @@ def moe(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """
     shape = x.shape
     xt = x.reshape(-1, shape[-1])
-    top_w, top_i = route(p, cfg, xt)
+    with jax.named_scope("route"):
+        top_w, top_i = route(p, cfg, xt)
     if cfg.expert_parallel:
         routed = expert_parallel(xt, top_w.astype(x.dtype), top_i, p["gate_up"], p["down"])
     elif use_moe_kernel(cfg, x.dtype):
@@ -325,9 +326,10 @@ def moe(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     else:
         routed = routed_experts_blocked(xt, top_w.astype(x.dtype), top_i, p["gate_up"], p["down"])
 
-    shared = mlp(p["shared_expert"], xt)
-    if cfg.shared_expert_gate:
-        shared = shared * jax.nn.sigmoid(xt @ p["shared_expert_gate"])
+    with jax.named_scope("shared_expert"):
+        shared = mlp(p["shared_expert"], xt)
+        if cfg.shared_expert_gate:
+            shared = shared * jax.nn.sigmoid(xt @ p["shared_expert_gate"])
     return (routed + shared).astype(x.dtype).reshape(shape)
 
 

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One device call for serving speed (issue: real-size hybrid MoE): the random 6 B qwen3_5_moe
 # checkpoint (written once per warm machine into runs/e2e-ck), then the parts named in $PARTS:
+#   check    benchmarks/gpu_check.py --suites $CHECK_SUITES (default decode,paged_attention), run while
+#            the checkpoint is written
 #   moe      the MoE kernel's GPU check and timings (pallas_kernels/moe.py)
-#   decode   in-process decode tok/s (sync vs overlapped loop) and a per-kernel breakdown
-#            (benchmarks/decode_profile.py), with $KERNELS (default auto) at $BATCHES (default 1,32);
+#   decode   in-process decode tok/s (sync vs overlapped loop) and a per-kernel breakdown, each kernel
+#            named by its JAX ops (benchmarks/decode_profile.py; the programs' HLO in $OUT/decode-hlo.tgz), with $KERNELS (default auto) at $BATCHES (default 1,32);
 #            it gets the call's time left (CALL_LIMIT, default 590 s) less $E2E_RESERVE
 #   memory   decode-step temporaries with every kernel vs jnp (benchmarks/step_memory.py, 4 layers, pools
 #            large enough that a copy of one would show: a kernel that copies a pool is >0.5 GiB above jnp)
@@ -21,10 +23,18 @@ if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     > "$OUT/pip.log" 2>&1 && export PYTHONPATH=/tmp/site
 fi
+if [[ $parts == *,check,* ]]; then
+  timeout ${CHECK_TIMEOUT:-200} python3 benchmarks/gpu_check.py --suites "${CHECK_SUITES:-decode,paged_attention}" \
+    --out "$OUT" > "$OUT/gpu_check.log" 2>&1 &
+fi
 if [[ $parts == *,decode,* || $parts == *,e2e,* ]] && [ ! -f runs/e2e-ck/model.safetensors ]; then
   t0=$(date +%s)
   python3 -m weights.random_checkpoint --config benchmarks/configs/qwen3_5_moe-6b.json --out runs/e2e-ck
   echo "checkpoint written in $(( $(date +%s) - t0 ))s"
+fi
+if [[ $parts == *,check,* ]]; then
+  wait; echo "gpu check done at $(( $(date +%s) - start ))s"; grep -c '"ok": true' "$OUT/gpu_check.jsonl"
+  grep '"ok": false' "$OUT/gpu_check.jsonl" | cut -c1-300; tail -3 "$OUT/gpu_check.log"
 fi
 if [[ $parts == *,moe,* ]]; then
   timeout 120 python3 benchmarks/gpu_check.py --suites moe --out "$OUT" > "$OUT/moe_check.log" 2>&1
@@ -44,6 +54,7 @@ if [[ $parts == *,decode,* ]]; then
   timeout ${DECODE_TIMEOUT:-$(( $(left) - ${E2E_RESERVE:-0} ))} python3 benchmarks/decode_profile.py --batches "${BATCHES:-1,32}" \
     --kernels "${KERNELS:-auto}" --out "$OUT/decode.json" > "$OUT/decode.log" 2>&1
   echo "decode rc=$?"; grep -v "^\s*$" "$OUT/decode.log" | tail -14 | cut -c1-600
+  (cd "$OUT" && ls decode-*.hlo.txt >/dev/null 2>&1 && tar czf decode-hlo.tgz decode-*.hlo.txt && rm decode-*.hlo.txt)
 fi
 if [[ $parts == *,e2e,* ]]; then
   # shellcheck disable=SC2086
