@@ -402,6 +402,19 @@ def load_tensors(
     return {name: src.load(target) for name, src in sources.items()}
 
 
+def check_checkpoint(path: str | Path) -> ModelConfig:
+    """The config of the checkpoint folder ``path`` after the checks ``load_model`` makes before it
+    reads a weight (config.json, every expected tensor's file, name and shape in the headers):
+    raises ``CheckpointError`` as ``load_model`` would, at once, reading no weight data. For a
+    caller that loads in the background (``jaxserve.engine.llm.build_engine``)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: no such checkpoint folder")
+    cfg = ModelConfig.from_file(folder / "config.json")
+    _plan(folder, hf_shapes(cfg), cfg.tie_word_embeddings)
+    return cfg
+
+
 def load_model(path: str | Path, dtype: Any = "float32", progress: bool = True, tensor_parallel=None) -> LoadedModel:
     """Load config.json and the weights of a checkpoint folder; params are device arrays of ``dtype``
     ("float32", "bfloat16", "float16" or the matching jnp/numpy dtype) on JAX's default device, or,

@@ -15,13 +15,14 @@ the pools, the scheduler and the runner. The rest of ``jaxserve.engine`` never i
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.models import backends
 from jaxserve.models.gated_deltanet import use_conv_kernel, use_decode_kernel, use_prefill_kernel
 from jaxserve.models.layers import use_attention_kernel
+from jaxserve.models.params import abstract_params
 from jaxserve.models.vision import compile_buckets, encode_need_bytes
 from jaxserve.multimodal.preprocess import (MAX_PIXELS_ENV, ImageProcessing, PixelPatches, decode, default_max_pixels,
                                             preprocess)
@@ -46,7 +48,7 @@ from jaxserve.multimodal.prompt import prepare
 from jaxserve.parallel import distributed
 from jaxserve.parallel.tensor import TensorParallel
 from jaxserve.tokenizer import Tokenizer
-from weights.loader import load_model
+from weights.loader import check_checkpoint, load_model
 
 CPU_BUDGET_BYTES = 512 << 20  # a CPU device reports no memory; pools default to this budget there
 
@@ -137,9 +139,11 @@ def _budget(args: EngineArgs, param_bytes: int) -> tuple[int | None, str | None]
     return CPU_BUDGET_BYTES + param_bytes, f"the device reports no memory; pools get {CPU_BUDGET_BYTES >> 20} MiB"
 
 
-def _compile_all(args: EngineArgs, compiler: startup.StepCompiler, params, plan, memory: startup.MemoryPlan, dtype):
-    """Compile every program of ``memory.buckets`` against the planned pools' shapes, allocate the
-    pools, run programs once on them (``warmup``) and log what it took. Returns the pools.
+def _compile_all(args: EngineArgs, compiler: startup.StepCompiler, loaded: Callable[[], dict], plan,
+                 memory: startup.MemoryPlan, dtype):
+    """Compile every program of ``memory.buckets`` against the planned pools' shapes, then (with the
+    params ``loaded()`` returns: it waits for a load running meanwhile) allocate the pools, run
+    programs once on them (``warmup``) and log what it took. Returns (params, pools).
 
     Which programs run: with a measured reserve (a device that reports its memory), all of them, so
     the largest steps have run for real before the port opens (on a GPU that costs seconds). On a
@@ -152,7 +156,8 @@ def _compile_all(args: EngineArgs, compiler: startup.StepCompiler, params, plan,
     mems = startup.compile_programs(compiler, startup.pool_structs(cfg, dtype, plan), programs,
                                     workers=args.compile_workers or startup.default_compile_workers(),
                                     progress=args.progress)
-    loaded, t1 = startup.cache_hits() - hits0, time.perf_counter()
+    hits, t1 = startup.cache_hits() - hits0, time.perf_counter()
+    params = loaded()
     placement = compiler.placement
     pools = init_pools(plan, cfg, dtype, None if placement is None else placement.pools)
     before = startup.step_compiles()
@@ -160,7 +165,7 @@ def _compile_all(args: EngineArgs, compiler: startup.StepCompiler, params, plan,
     pools = warmup(params, cfg, pools, buckets, programs=run, placement=placement)
     again = startup.step_compiles() - before
     largest = max((m for m in mems if m is not None), key=lambda m: m.need_bytes, default=None)
-    msg = (f"compiled {len(programs)} step programs in {t1 - t0:.1f}s ({loaded} loaded from the compile cache), "
+    msg = (f"compiled {len(programs)} step programs in {t1 - t0:.1f}s ({hits} loaded from the compile cache), "
            f"ran {'each' if run == programs else f'{len(run)} of them'} once in {time.perf_counter() - t1:.1f}s")
     if largest is not None:
         msg += f"; the largest: {largest.describe()} beside params and pools"
@@ -173,7 +178,7 @@ def _compile_all(args: EngineArgs, compiler: startup.StepCompiler, params, plan,
     if again:
         _log(args, f"WARNING: {again} step programs compiled again at warm-up (the ahead-of-time compile missed "
                    f"their cache keys: runner.lower_step no longer matches runner.step)")
-    return pools
+    return params, pools
 
 
 def _tensor_parallel(args: EngineArgs) -> TensorParallel | None:
@@ -190,19 +195,45 @@ def _tensor_parallel(args: EngineArgs) -> TensorParallel | None:
     return tp
 
 
+def _load_in_background(args: EngineArgs, tp: TensorParallel | None):
+    """(config, future of ``load_model``) when the weights can load while the step programs compile:
+    ``compile_all`` on one device, a text-only model (``abstract_params`` covers the text stack;
+    under tensor parallelism the placement is made from the loaded arrays). Compiling needs only
+    the params' shapes and takes longer than loading a real-size checkpoint (on the H100 machine
+    ~5 min against ~35 s), so the load hides under it. The checkpoint's headers are checked first,
+    so a broken checkpoint fails at once, as without the overlap. None: load first."""
+    if not args.compile_all or tp is not None:
+        return None
+    cfg = check_checkpoint(args.model)
+    if cfg.vision is not None:
+        return None
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-load")
+    load = pool.submit(load_model, args.model, dtype=args.dtype, progress=args.progress)
+    pool.shutdown(wait=False)
+    return dataclasses.replace(cfg, kernels=args.kernels), load
+
+
 def build_engine(args: EngineArgs) -> Engine:
     """Load the checkpoint, plan memory (measuring the largest step where the device reports its
-    memory), allocate pools, compile every step program if ``compile_all``, and wire the engine.
+    memory), allocate pools, compile every step program if ``compile_all`` (the weights loading
+    meanwhile where they can: ``_load_in_background``), and wire the engine.
     Joins the runtime of several processes first when ``args`` name one (``join_processes``)."""
     args = join_processes(args)
     backends.validate(args.kernels)
     tp = _tensor_parallel(args)
     cache_dir = startup.enable_compile_cache(args.compile_cache)
 
-    model = load_model(args.model, dtype=args.dtype, progress=args.progress, tensor_parallel=tp)
-    cfg, params = dataclasses.replace(model.config, kernels=args.kernels if tp is None else model.config.kernels), model.params
-    tokenizer = Tokenizer.from_dir(args.model)
     dtype = jnp.dtype(args.dtype)
+    loading = _load_in_background(args, tp)
+    if loading is None:
+        model = load_model(args.model, dtype=args.dtype, progress=args.progress, tensor_parallel=tp)
+        cfg, params = dataclasses.replace(model.config, kernels=args.kernels if tp is None else model.config.kernels), model.params
+        loaded = lambda: params  # noqa: E731
+    else:  # compile against the weights' shapes while the weights load
+        cfg, load = loading
+        params = abstract_params(cfg, dtype)
+        loaded = lambda: load.result().params  # noqa: E731
+    tokenizer = Tokenizer.from_dir(args.model)
     # "pallas" on shapes a kernel cannot take: one clear error now, not a trace-time one at warm-up
     if cfg.is_hybrid:
         use_decode_kernel(cfg, dtype)
@@ -233,9 +264,9 @@ def build_engine(args: EngineArgs) -> Engine:
                f"{f' ({unmeasured})' if unmeasured else ''}; max prefill {buckets.tokens[-1]} tokens per step, "
                f"{len(buckets.programs())} step programs; compile cache {cache_dir or 'off'}")
     if args.compile_all:
-        pools = _compile_all(args, compiler, params, plan, memory, dtype)
+        params, pools = _compile_all(args, compiler, loaded, plan, memory, dtype)
     else:
-        pools = init_pools(plan, cfg, dtype, None if placement is None else placement.pools)
+        params, pools = loaded(), init_pools(plan, cfg, dtype, None if placement is None else placement.pools)
     pages = PageAllocator(plan.num_pages)
     slots = SlotAllocator(plan.num_slots) if cfg.is_hybrid else None
     cache = HybridRadixCache(pages, slots, args.page_size, hybrid=cfg.is_hybrid,

@@ -17,6 +17,7 @@ from safetensors.numpy import save_file
 from jaxserve.config import ConfigError, ModelConfig
 from jaxserve.models.params import build_params, hf_shapes
 from weights import CheckpointError, LoadedModel, load_model
+from weights.loader import check_checkpoint
 from weights.loader import load_tensors
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -215,9 +216,14 @@ def good(tmp_path):
 
 
 def _fails(folder: Path, *fragments: str, error=CheckpointError) -> str:
+    """``load_model`` fails naming ``fragments``, and ``check_checkpoint`` (the header checks a
+    background load is preceded by) fails alike, reading no weight."""
     with pytest.raises(error) as info:
         load_model(folder, progress=False)
     msg = str(info.value)
+    with pytest.raises(error) as early:
+        check_checkpoint(folder)
+    assert str(early.value) == msg
     for frag in fragments:
         assert frag in msg, f"{frag!r} not in {msg!r}"
     return msg
