@@ -368,7 +368,7 @@ def _kernel_small(tiles_ref, x_ref, w_ref, *refs, block_rows, block_k, stages, f
         e = tiles_ref[i]
         if scaled:
             rw_bar = bars.at[stages * per_slot]
-            plgpu.copy_gmem_to_smem(rw_ref.at[rows], rw_smem, rw_bar)
+            plgpu.copy_gmem_to_smem(rw_ref.at[i], rw_smem, rw_bar)  # [max(R, 32)]: R weights, then 0s
 
         def issue(s):
             slot = s % stages
@@ -408,7 +408,7 @@ def _kernel_small(tiles_ref, x_ref, w_ref, *refs, block_rows, block_k, stages, f
             (h,) = out
         if scaled:  # a routed row is a column of acc
             plgpu.barrier_wait(rw_bar)
-            w_rows = plgpu.load(rw_smem, layout=plgpu.Layout.WGMMA.reduce(0))
+            w_rows = plgpu.load(rw_smem.at[pl.ds(0, br)], layout=plgpu.Layout.WGMMA.reduce(0))
             h = h * lax.broadcast_in_dim(w_rows, h.shape, [1])
         o_smem[...] = h.astype(o_smem.dtype)
         plgpu.commit_smem()
@@ -447,11 +447,15 @@ def grouped_gemm_small(xp, w, tiles, row_weights=None, *, block_rows, fused=Fals
                          f"{BLOCK_W}-column tiles, stages={stages}")
     stages = min(stages, max(2, K // block_k))
     nops = 2 if fused else 1
+    # a TMA copy moves a multiple of 128 bytes: each tile's R fp32 row weights padded to 32
+    rw_len = max(R, 32)
     scratch = [
         plgpu.SMEM((stages, R, block_k), xp.dtype, transforms=_transforms(xp.dtype, block_k)),
         plgpu.SMEM((nops, stages, block_k, BLOCK_W), w.dtype, transforms=_transforms(w.dtype, BLOCK_W)),
-        plgpu.SMEM((BLOCK_W, R), xp.dtype, transforms=_transforms(xp.dtype, R)),
-        *([plgpu.SMEM((R,), jnp.float32)] if row_weights is not None else []),
+        # the output tile's rows are R elements: 16 bytes at R = 8 bf16, below the smallest swizzle (32)
+        plgpu.SMEM((BLOCK_W, R), xp.dtype,
+                   transforms=_transforms(xp.dtype, R) if R * xp.dtype.itemsize >= 32 else ()),
+        *([plgpu.SMEM((rw_len,), jnp.float32)] if row_weights is not None else []),
         plgpu.Barrier(num_barriers=stages * (1 + nops) + (row_weights is not None)),
     ]
     kernel = plgpu.kernel(
@@ -464,7 +468,9 @@ def grouped_gemm_small(xp, w, tiles, row_weights=None, *, block_rows, fused=Fals
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=_interpret_params(interpret),
     )
-    args = (tiles, xp, w) + (() if row_weights is None else (row_weights.astype(jnp.float32),))
+    if row_weights is not None:
+        row_weights = jnp.pad(row_weights.astype(jnp.float32).reshape(Mp // R, R), ((0, 0), (0, rw_len - R)))
+    args = (tiles, xp, w) + (() if row_weights is None else (row_weights,))
     return kernel(*args)
 
 
