@@ -386,9 +386,9 @@ def _kernel_small(tiles_ref, x_ref, w_ref, *refs, block_rows, block_k, stages, f
                 slot = lax.rem(s, stages)
                 for b in range(per_slot):
                     plgpu.barrier_wait(bars.at[slot * per_slot + b])
-                xt = plgpu.transpose_ref(x_smem.at[slot], (1, 0))  # [bk, R]: B, K-major
+                xt = x_smem.at[slot].transpose((1, 0))  # [bk, R]: B, K-major (plgpu.transpose_ref)
                 for op, acc in enumerate(accs):
-                    plgpu.wgmma(acc, plgpu.transpose_ref(w_smem.at[op, slot], (1, 0)), xt)  # A [64, bk]
+                    plgpu.wgmma(acc, w_smem.at[op, slot].transpose((1, 0)), xt)  # A [64, bk]: MN-major
                 plgpu.wgmma_wait(nops)  # step s-1's products are done: its slot takes step s+stages-1
 
                 @pl.when(s + stages - 1 < nk)
