@@ -344,10 +344,11 @@ def small_supports(hidden: int, intermediate: int, dtype) -> bool:
     return bool(small_blocks(hidden, intermediate, dtype) and small_blocks(intermediate, hidden, dtype))
 
 
-def _kernel_small(tiles_ref, x_ref, w_ref, *refs, block_rows, block_k, stages, fused, scaled):
+def _kernel_small(tiles_ref, x_ref, w_ref, *refs, block_rows, block_k, stages, fused, scaled, transposed_out):
     """One (column tile j, row tile i) of the swap-AB GEMM: ``acc[64, R] = w[e][:, cols(j)]^T @
     x[rows(i)]^T`` (the weight tile is WGMMA's A operand, MN-major; the row tile its B, K-major)
-    and the epilogue; written as the ``[64, R]`` tile of the transposed output ``o [N, rows]``.
+    and the epilogue; written as the ``[R, 64]`` tile of ``o [rows, N]`` through a transposed
+    view of the SMEM output tile (``transposed_out``: as the ``[64, R]`` tile of ``o [N, rows]``).
     Nothing when row tile i is past the used count."""
     if scaled:
         rw_ref, o_ref, x_smem, w_smem, o_smem, rw_smem, bars = refs
@@ -357,7 +358,7 @@ def _kernel_small(tiles_ref, x_ref, w_ref, *refs, block_rows, block_k, stages, f
     i = lax.axis_index("m")
     br, bw, bk = block_rows, BLOCK_W, block_k
     nk = x_ref.shape[1] // bk
-    half = o_ref.shape[0]  # fused: the up columns start here in w (w is [E, K, 2 * half])
+    half = o_ref.shape[0 if transposed_out else 1]  # fused: the up columns start here in w (w is [E, K, 2 * half])
     cols = (j * bw,) + ((half + j * bw,) if fused else ())
     nops = len(cols)
     per_slot = 1 + nops
@@ -410,9 +411,14 @@ def _kernel_small(tiles_ref, x_ref, w_ref, *refs, block_rows, block_k, stages, f
             plgpu.barrier_wait(rw_bar)
             w_rows = plgpu.load(rw_smem.at[pl.ds(0, br)], layout=plgpu.Layout.WGMMA.reduce(0))
             h = h * lax.broadcast_in_dim(w_rows, h.shape, [1])
-        o_smem[...] = h.astype(o_smem.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[pl.ds(j * bw, bw), rows])
+        if transposed_out:
+            o_smem[...] = h.astype(o_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[pl.ds(j * bw, bw), rows])
+        else:  # o_smem is [R, 64]: acc's transpose goes through the store's addressing
+            o_smem.transpose((1, 0))[...] = h.astype(o_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[rows, pl.ds(j * bw, bw)])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
@@ -424,13 +430,16 @@ def small_smem_bytes(block_rows: int, block_k: int, stages: int, fused: bool, it
 
 
 def grouped_gemm_small(xp, w, tiles, row_weights=None, *, block_rows, fused=False, block_k=None, stages=4,
-                       interpret=False):
+                       transposed_out=False, interpret=False):
     """The swap-AB kernel on the padded layout of ``block_rows``-row tiles: ``xp [num_tiles * R,
     K]`` (tile ``t`` of rows times expert ``tiles[t]``'s weights, for ``t < tiles[-1]``), ``w [E,
     K, N]``.
 
-    Returns the TRANSPOSED result ``[N, num_tiles * R]`` (``fused``: ``[N / 2, ..]``, ``silu(x
-    w[:, :N/2]) * (x w[:, N/2:])``) in ``xp.dtype``; columns of unused tiles are left unwritten.
+    Returns ``[num_tiles * R, N]`` in ``xp.dtype`` (``fused``: ``[.., N / 2]``, ``silu(x w[:, :N/2])
+    * (x w[:, N/2:])``), as ``grouped_gemm_padded``; rows of unused tiles are left unwritten.
+    ``transposed_out``: the transposed result ``[N (or N / 2), num_tiles * R]`` instead, each
+    program's ``[64, R]`` accumulator stored as it is (the default stores it through a transposed
+    view of a ``[R, 64]`` SMEM tile, so the next GEMM takes it without an XLA transpose).
     ``row_weights`` fp32 ``[num_tiles * R]`` scales each row (output column) before its one
     rounding. SMEM: ``small_smem_bytes`` (fused bf16, R = 8, 4 stages: 69 KiB)."""
     Mp, K = xp.shape
@@ -452,16 +461,17 @@ def grouped_gemm_small(xp, w, tiles, row_weights=None, *, block_rows, fused=Fals
     scratch = [
         plgpu.SMEM((stages, R, block_k), xp.dtype, transforms=_transforms(xp.dtype, block_k)),
         plgpu.SMEM((nops, stages, block_k, BLOCK_W), w.dtype, transforms=_transforms(w.dtype, BLOCK_W)),
-        # the output tile's rows are R elements: 16 bytes at R = 8 bf16, below the smallest swizzle (32)
-        plgpu.SMEM((BLOCK_W, R), xp.dtype,
-                   transforms=_transforms(xp.dtype, R) if R * xp.dtype.itemsize >= 32 else ()),
+        # transposed_out: the output tile's rows are R elements, 16 bytes at R = 8 bf16, below the
+        # smallest swizzle (32 bytes): unswizzled then
+        plgpu.SMEM((BLOCK_W, R), xp.dtype, transforms=_transforms(xp.dtype, R) if R * xp.dtype.itemsize >= 32 else ())
+        if transposed_out else plgpu.SMEM((R, BLOCK_W), xp.dtype, transforms=_transforms(xp.dtype, BLOCK_W)),
         *([plgpu.SMEM((rw_len,), jnp.float32)] if row_weights is not None else []),
         plgpu.Barrier(num_barriers=stages * (1 + nops) + (row_weights is not None)),
     ]
     kernel = plgpu.kernel(
         functools.partial(_kernel_small, block_rows=R, block_k=block_k, stages=stages, fused=fused,
-                          scaled=row_weights is not None),
-        out_type=jax.ShapeDtypeStruct((N, Mp), xp.dtype),
+                          scaled=row_weights is not None, transposed_out=transposed_out),
+        out_type=jax.ShapeDtypeStruct((N, Mp) if transposed_out else (Mp, N), xp.dtype),
         grid=(N // BLOCK_W, Mp // R),
         grid_names=("n", "m"),
         scratch_types=scratch,
@@ -536,11 +546,7 @@ def moe_experts(xt, top_w, top_i, gate_up, down, *, gather_below=None, small_max
     xp = jnp.concatenate([xt, jnp.zeros((1, H), xt.dtype)])[src]  # padding rows: the zero row
     row_w = jnp.zeros((lay.num_rows,), jnp.float32).at[pos].set(top_w.reshape(-1).astype(jnp.float32),
                                                                 unique_indices=True)
-    if small:  # the kernels write transposed results: [I, rows] and [H, rows]
-        h_t = grouped_gemm_small(xp, gate_up, lay.tiles, fused=True, block_rows=R, stages=stages,
-                                 interpret=interpret)
-        y_t = grouped_gemm_small(h_t.T, down, lay.tiles, row_w, block_rows=R, stages=stages, interpret=interpret)
-        return jnp.take(y_t, pos.reshape(n, k), axis=1).astype(jnp.float32).sum(axis=2).T
-    h = grouped_gemm_padded(xp, gate_up, lay.tiles, fused=True, stages=stages, interpret=interpret)
-    y = grouped_gemm_padded(h, down, lay.tiles, row_w, stages=stages, interpret=interpret)
+    gemm = (functools.partial(grouped_gemm_small, block_rows=R) if small else grouped_gemm_padded)
+    h = gemm(xp, gate_up, lay.tiles, fused=True, stages=stages, interpret=interpret)
+    y = gemm(h, down, lay.tiles, row_w, stages=stages, interpret=interpret)
     return y[pos.reshape(n, k)].astype(jnp.float32).sum(axis=1)

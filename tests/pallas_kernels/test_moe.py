@@ -216,8 +216,9 @@ def test_small_layout():
 
 def test_small_kernel_ring_epilogues_and_races():
     """The swap-AB kernel alone: a K loop of 10 (fp32: block_k 32) steps through 2- and 3-deep
-    rings, the fused epilogue with row weights and the plain GEMM, 8- and 16-row tiles, under the
-    race detector; its transposed output against float64."""
+    rings, the fused epilogue with row weights and the plain GEMM, 8- and 16-row tiles, the output
+    in row order (through a transposed SMEM view) and transposed, under the race detector; against
+    float64."""
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
     K, N = 320, 64
@@ -227,21 +228,38 @@ def test_small_kernel_ring_epilogues_and_races():
     w = rng.normal(size=(E, K, 2 * N)).astype(np.float32) * K ** -0.5
     gu = ref_grouped(xs, w, gs)
     params = moe.plgpu.InterpretGPUParams(detect_races=True)
-    for R, stages in ((8, 2), (16, 3)):
+    for R, stages, tr in ((8, 2, False), (16, 3, True)):
         lay = moe.padded_layout(jnp.asarray(gs), 40, R)
         pos = np.asarray(lay.pos)
         xp = np.zeros((lay.num_rows, K), np.float32)
         xp[pos] = xs
         row_w = rng.uniform(size=lay.num_rows).astype(np.float32)
         fused_want = gu[:, :N] / (1 + np.exp(-gu[:, :N])) * gu[:, N:] * row_w[pos][:, None]
-        fused = jax.jit(lambda x, w, t, r: moe.grouped_gemm_small(x, w, t, r, block_rows=R, fused=True,
-                                                                  stages=stages, interpret=params))
+        fused = jax.jit(lambda x, w, t, r: moe.grouped_gemm_small(x, w, t, r, block_rows=R, fused=True, stages=stages,
+                                                                  transposed_out=tr, interpret=params))
         got = np.asarray(fused(jnp.asarray(xp), jnp.asarray(w), lay.tiles, jnp.asarray(row_w)))
-        assert not get_races().races_found and got.shape == (N, lay.num_rows)
-        assert_close(got.T[pos], fused_want, TOL[jnp.float32], f"small fused R={R}")
-        plain = jax.jit(lambda x, w, t: moe.grouped_gemm_small(x, w, t, block_rows=R, stages=stages, interpret=True))
+        assert not get_races().races_found
+        assert got.shape == ((N, lay.num_rows) if tr else (lay.num_rows, N))
+        assert_close((got.T if tr else got)[pos], fused_want, TOL[jnp.float32], f"small fused R={R} transposed={tr}")
+        plain = jax.jit(lambda x, w, t: moe.grouped_gemm_small(x, w, t, block_rows=R, stages=stages,
+                                                               transposed_out=not tr, interpret=True))
         got = np.asarray(plain(jnp.asarray(xp), jnp.asarray(w), lay.tiles))
-        assert_close(got.T[pos], gu, TOL[jnp.float32], f"small plain R={R}")
+        assert_close((got if tr else got.T)[pos], gu, TOL[jnp.float32], f"small plain R={R} transposed={not tr}")
+
+
+def test_small_kernel_transposed_out_lowers():
+    """The transposed-output variant (not ``moe_experts``' choice) lowers for sm_90 at the target
+    shapes too: 8-row tiles, its 16-byte unswizzled output tile, fused and down with row weights."""
+    f = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    lay_rows = moe.num_tiles(8, 64, 8) * 8
+    tiles = f((lay_rows // 8 + 1,), jnp.int32)
+    for fused, (K, Nw) in ((True, (2048, 1024)), (False, (512, 2048))):
+        fn = jax.jit(lambda x, w, t, r: moe.grouped_gemm_small(x, w, t, None if fused else r, block_rows=8, fused=fused,
+                                                               transposed_out=True))
+        text = fn.trace(f((lay_rows, K), bf), f((64, K, Nw), bf), tiles, f((lay_rows,), jnp.float32)).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert text.count("custom_call @mosaic_gpu") == 1
 
 
 def small_routing(rng, kind, n):
