@@ -1,11 +1,11 @@
-"""Routed MoE experts: a grouped GEMM in Pallas Mosaic GPU (sm_90) and a gather path for decode.
+"""Routed MoE experts: grouped GEMMs in Pallas Mosaic GPU (sm_90): 64-row tiles for prefill, swap-AB for decode.
 
 Replaces the routed part of ``jaxserve.models.layers.moe``, whose ``lax.ragged_dot`` XLA lowers on
 the GPU to masked dense work over every expert (at batch 1 a 64-expert top-8 layer reads all 64
 experts' weights, 8x what the step needs; at a 4096-token prefill it does 8x the FLOPs).
 
-Grouped GEMM (``grouped_matmul``, and the two GEMMs of ``moe_experts``)
-----------------------------------------------------------------------
+Grouped GEMM (``grouped_matmul``, and the two GEMMs of ``moe_experts`` at prefill sizes)
+-------------------------------------------------------------------------------------
 Rows sorted by expert (``xs [M, K]``, ``group_sizes [E]``) times per-expert weights ``[E, K, N]``.
 
 * Padded layout (XLA, before the kernel): each expert's rows start on a multiple of ``block_m``
@@ -34,21 +34,61 @@ Rows sorted by expert (``xs [M, K]``, ``group_sizes [E]``) times per-expert weig
 * Reads per GEMM: each used expert's weights once per row tile it owns (from HBM for the first,
   mostly L2 after), the x rows once per N tile (L2 after the first), nothing of an empty expert.
 
-Decode path (``moe_experts_gather``)
-------------------------------------
-With fewer routed rows than experts (``n * top_k < E``, the default ``gather_below``), every
-expert a token uses is gathered (``gate_up[top_i]``, ``down[top_i]``) and multiplied by that
+Small-row (decode) path: swap-AB grouped GEMM (``grouped_gemm_small``)
+-----------------------------------------------------------------------
+A decode step has few routed rows per expert (1 token of top-8: 8 rows on 8 experts; 32 tokens:
+256 rows, ~4 on each of nearly all 64 experts). In 64-row tiles (one WGMMA M) that is 1 / 64 of the
+tensor core's work used and, at batch 1, a gate/up grid of 8 experts x 4 N tiles; the XLA gather
+path instead reads the used experts' bytes ~3 times (read, write the copy, read it for the dot).
+Swap-AB makes the WEIGHTS the WGMMA M operand and the tokens its N operand:
+
+* Layout: the same padded layout in ``R``-row tiles (``padded_layout(.., block_m=R)``, ``R`` in 8 /
+  16 / 32, WGMMA N a multiple of 8; ``small_block_rows``: the smallest at least twice the mean rows
+  per expert, ``2 n k / E``: 8 up to ``4 E`` routed rows (1 to 32 tokens of the 64-expert top-8
+  layer), 16 up to ``8 E`` (64 tokens), 32 above), the per-tile expert ids and used tile count as
+  above; a program past the used count returns at once (reads nothing).
+* Program (column tile j, row tile i), grid (N / 64, num_tiles), column tiles fastest:
+  ``acc[64, R] = w[e][:, 64j : 64j+64]^T @ x[rows(i)]^T`` in fp32. A = the weight tile ``[block_k,
+  64]`` as TMA brings it (128-byte swizzle over its 64 columns), used through a transposed view
+  (MN-major A: sm_90 WGMMA takes it for 16-bit types); B = the ``[R, block_k]`` row tile, through a
+  transposed view (``[block_k, R]``, K-major: WGMMA's native B). Same ring as above (``stages``
+  SMEM slots per operand, one barrier each, ``block_k`` = 64 bf16), the fused gate/up (two ``[64,
+  R]`` accumulators for the gate columns ``64j..`` and the up columns ``I + 64j..``, epilogue
+  ``silu(gate) * up`` in fp32, rounded once), and the down GEMM's routing weights (per tile, ``R``
+  fp32 padded to 32 so the TMA copy is 128 bytes; loaded in the accumulator's column layout, a
+  routed row being a column of ``acc``).
+* Output: in row order, ``[rows, N]`` like the 64-row kernel: the epilogue stores the ``[64, R]``
+  accumulator through a transposed view of a ``[R, 64]`` SMEM tile (128-byte swizzle), then one
+  TMA store. So the gate/up output is the down GEMM's ``[rows, I]`` operand as it is and the
+  un-sort is the same gather + fp32 sum: no XLA transpose between or after the kernels.
+  (``transposed_out``: store the ``[64, R]`` tile as it is into ``[N, rows]``, an unswizzled
+  16-byte-row tile at R = 8; kept, tested, for the case the transposed SMEM store is slow on the
+  GPU; the small ``[n k, N]`` results would then be transposed by XLA.)
+* Reads: every used expert's gate_up and down bytes once per row tile it owns (one tile whenever
+  its rows fit ``R``: the rule above makes that the common case; a second tile runs right after
+  the first, so from L2), the ``R`` rows once per column tile (L2 after the first), nothing of an
+  unused expert. 64-column tiles: I / 64 = 8 gate/up and H / 64 = 32 down column tiles per used
+  expert tile at the target layer (at batch 1: 64 gate/up programs of 512 KiB and 256 down
+  programs of 64 KiB).
+* SMEM per program (``small_smem_bytes``, bf16, ``block_k`` 64): ``(stages * (R + nw * 64) *
+  block_k + 64 R) * 2 + 4 max(R, 32)`` bytes (``nw`` = 2 fused, else 1): fused 69 / 74 / 84 KiB at
+  R = 8 / 16 / 32 and 4 stages (three programs per SM), down 37 KiB at R = 8.
+* ``moe_experts`` takes it at ``n * k <= SMALL_MAX_ROWS`` (512: 64 tokens of top-8) where it tiles
+  (``small_supports``: H and I multiples of 64); above, the 64-row kernel, whose 64-row tiles are
+  full enough there.
+
+Gather path (``moe_experts_gather``): reference and fallback
+-----------------------------------------------------------
+Every expert a token uses is gathered (``gate_up[top_i]``, ``down[top_i]``) and multiplied by that
 token's row alone (batched matmul-vector products in XLA, fp32 accumulation). XLA reads the
 gathered experts' bytes, writes the gathered copy and reads it back for the dot (it does not fuse a
 gather into a GEMM operand): at most 3x the used experts' bytes, against ``ragged_dot``'s
-dense lowering reading all ``E`` experts (``E / top_k`` = 8x the used bytes at batch 1). Below
-``E`` routed rows the gather can never read more expert matrices than the whole layer has.
-It exists because the grouped kernel at batch 1 multiplies 64-row tiles holding one real row each
-and its gate/up GEMM runs ``top_k * I / 64`` programs (64 at the target shapes), half the SMs,
-for a bandwidth-bound step; ``benchmarks/kernels.py --only moe`` times both at n = 1 and 32 so
-the threshold can be set from measurements.
+dense lowering reading all ``E`` experts. ``moe_experts`` takes it below ``gather_below`` routed
+rows: by default only where the small path cannot tile the layer (e.g. the shipped test model's
+I = 32) and ``n * k < E``. ``benchmarks/kernels.py --only moe`` times it beside the kernels at
+n = 1, 8, 32.
 
-Numerics (both paths): products accumulate in fp32; ``silu(gate) * up`` in fp32, rounded once to
+Numerics (all paths): products accumulate in fp32; ``silu(gate) * up`` in fp32, rounded once to
 the activation dtype (it is the next GEMM's operand); the down products accumulate in fp32 and are
 scaled by the fp32 routing weights, rounded once; the ``top_k`` contributions of a token are summed
 in fp32 and returned in fp32. ``layers.moe``'s jnp path rounds after each op instead, so bf16
@@ -57,12 +97,16 @@ results differ from it by bf16 roundings; in fp32 they agree to summation order.
 Contract (GPU): bf16 or fp16 activations and weights (fp32 would be tf32 WGMMA with an MN-major
 B operand, which sm_90 does not have; fp32 runs only in interpret mode, for tests); hidden and
 expert intermediate sizes that ``default_blocks`` tiles (``supports``: multiples of 16; 64 gives
-the 128-byte swizzle); ``sum(group_sizes) <= M``.
+the 128-byte swizzle; the small path also wants multiples of 64, ``small_supports``, and is
+skipped otherwise); ``sum(group_sizes) <= M``. The small path's MN-major A / transposed views are
+16-bit-only on sm_90 too (fp32: interpret mode only, as above).
 
-Status: correct in Mosaic GPU's interpreter on the CPU (tests/pallas_kernels/test_moe.py) and on
-an H100 (``benchmarks/gpu_check.py --suites moe``: 15 / 15, 1 to 4096 tokens); in
-``jaxserve.models.backends.AUTO_ON_GPU``. Timings: ``benchmarks/kernels.py --only moe``,
-benchmarks/RESULTS.md "MoE experts".
+Status: the 64-row kernel and the gather path: correct in Mosaic GPU's interpreter on the CPU
+(tests/pallas_kernels/test_moe.py) and on an H100 (``benchmarks/gpu_check.py --suites moe``: 15 /
+15, 1 to 4096 tokens); in ``jaxserve.models.backends.AUTO_ON_GPU``. The small path: interpret-mode
+tested (and lowered for sm_90 at the target shapes), GPU check pending (gpu_check variants
+``moe_small*``). Timings: ``benchmarks/kernels.py --only moe``, benchmarks/RESULTS.md "MoE
+experts".
 """
 
 from __future__ import annotations
@@ -426,7 +470,7 @@ def small_smem_bytes(block_rows: int, block_k: int, stages: int, fused: bool, it
     """SMEM of one small-path program: the ring (``stages`` x tiles of ``R x block_k`` rows and
     ``nw`` weight tiles of ``block_k x 64``), the ``64 x R`` output tile and the fp32 row weights."""
     nw = 2 if fused else 1
-    return (stages * (block_rows + nw * BLOCK_W) * block_k + BLOCK_W * block_rows) * itemsize + 4 * block_rows
+    return (stages * (block_rows + nw * BLOCK_W) * block_k + BLOCK_W * block_rows) * itemsize + 4 * max(block_rows, 32)
 
 
 def grouped_gemm_small(xp, w, tiles, row_weights=None, *, block_rows, fused=False, block_k=None, stages=4,
@@ -441,7 +485,8 @@ def grouped_gemm_small(xp, w, tiles, row_weights=None, *, block_rows, fused=Fals
     program's ``[64, R]`` accumulator stored as it is (the default stores it through a transposed
     view of a ``[R, 64]`` SMEM tile, so the next GEMM takes it without an XLA transpose).
     ``row_weights`` fp32 ``[num_tiles * R]`` scales each row (output column) before its one
-    rounding. SMEM: ``small_smem_bytes`` (fused bf16, R = 8, 4 stages: 69 KiB)."""
+    rounding. ``block_k`` defaults to ``small_blocks``. SMEM: ``small_smem_bytes`` (fused bf16, R =
+    8, 4 stages: 69 KiB)."""
     Mp, K = xp.shape
     E, K2, Nw = w.shape
     R = block_rows
