@@ -546,11 +546,13 @@ MOE_CASES = [(1, "random"), (8, "random"), (32, "random"), (32, "skewed"), (512,
 # moe_experts' default takes the small path up to moe.SMALL_MAX_ROWS routed rows), its 2-stage ring
 # (96 KiB of SMEM: two programs per SM); the swap-AB small path (moe_experts' default at decode
 # sizes: 8-row tiles at 1 to 32 tokens of top-8) with its 4- and 2-stage rings and 16-row tiles
-# forced; and the gather path (decode sizes only: it materialises n * k experts' weights).
+# forced, and with its tiles stored transposed (XLA transposes; in case the default's store through
+# a transposed SMEM view is wrong or slow on the GPU); and the gather path (decode sizes only: it materialises n * k experts' weights).
 MOE_VARIANTS = {"moe_s4": dict(gather_below=0, small_max_rows=0),
                 "moe_s2": dict(gather_below=0, small_max_rows=0, stages=2),
                 "moe_small": dict(gather_below=0), "moe_small_s2": dict(gather_below=0, stages=2),
                 "moe_small_r16": dict(gather_below=0, block_rows=16),
+                "moe_small_tr": dict(gather_below=0, small_transposed_out=True),
                 "moe_gather": None}
 MOE_GATHER_MAX_TOKENS = 32
 MOE_SMALL_MAX_TOKENS = 64  # moe.SMALL_MAX_ROWS (512) routed rows of top-8: the small variants' range

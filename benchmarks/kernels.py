@@ -1157,7 +1157,7 @@ def run_conv1d_fla(case):
 # step's 8 experts are 48 MiB, about the L2). Timed: ours (the 64-row grouped kernel through
 # ``moe_experts``, its 4- and 2-stage rings, forced at every n; the swap-AB small path, moe_experts'
 # default at n * k <= moe.SMALL_MAX_ROWS, at n <= 64: its default 8-row tiles with 4- and 2-stage
-# rings and 16-row tiles; the gather path ``moe_experts_gather`` at n <= 32),
+# rings, 16-row tiles and its transposed-store variant; the gather path ``moe_experts_gather`` at n <= 32),
 # jnp = ``layers.routed_experts`` (``lax.ragged_dot``). Roofline: the bytes a step must move (the
 # weights of the distinct experts it uses, x read, the fp32 output written) over the copy bandwidth,
 # or, where the step's FLOPs over its bytes exceed MOE_BALANCE, its FLOP floor (2 n k 3 H I) over the
@@ -1171,7 +1171,8 @@ MOE_BALANCE = 230  # FLOP per byte where the H200's bf16 rate (~990 TFLOP/s) mee
 MOE_VARIANTS_TIMED = {"moe_s4": dict(gather_below=0, small_max_rows=0),
                       "moe_s2": dict(gather_below=0, small_max_rows=0, stages=2),
                       "moe_small": dict(gather_below=0), "moe_small_s2": dict(gather_below=0, stages=2),
-                      "moe_small_r16": dict(gather_below=0, block_rows=16), "moe_gather": None}
+                      "moe_small_r16": dict(gather_below=0, block_rows=16),
+                      "moe_small_tr": dict(gather_below=0, small_transposed_out=True), "moe_gather": None}
 if os.environ.get("KERNELS_SMOKE"):
     MOE_BENCH_MODEL = dict(MOE_BENCH_MODEL, E=8, k=2, H=64, I=64)
     MOE_TOKENS, MOE_GATHER_MAX_TOKENS = (1, 40), 1

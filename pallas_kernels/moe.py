@@ -555,9 +555,10 @@ def moe_experts_gather(xt, top_w, top_i, gate_up, down):
     return (y * top_w.astype(f32)[..., None]).astype(xt.dtype).astype(f32).sum(axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("gather_below", "small_max_rows", "block_rows", "stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("gather_below", "small_max_rows", "block_rows", "small_transposed_out",
+                                             "stages", "interpret"))
 def moe_experts(xt, top_w, top_i, gate_up, down, *, gather_below=None, small_max_rows=SMALL_MAX_ROWS, block_rows=None,
-                stages=4, interpret=False):
+                small_transposed_out=False, stages=4, interpret=False):
     """The routed experts of ``layers.moe`` (everything but the router and the shared expert).
 
     ``xt [n, H]``; ``top_w [n, k]`` routing weights (used in fp32); ``top_i [n, k]`` expert ids;
@@ -571,8 +572,10 @@ def moe_experts(xt, top_w, top_i, gate_up, down, *, gather_below=None, small_max
     (``grouped_gemm_small``, ``block_rows``-row tiles, default ``small_block_rows``); else the
     64-row grouped kernel (``grouped_gemm_padded``). With fewer than ``gather_below`` routed rows
     the gather path (``moe_experts_gather``) instead; by default only where the small path does
-    not apply and ``n * k < E``. ``stages``: SMEM ring depth of both kernels; ``interpret``: Mosaic
-    GPU's interpreter (CPU tests).
+    not apply and ``n * k < E``. ``small_transposed_out``: the small kernels store their tiles
+    transposed and XLA transposes the small results (``grouped_gemm_small``'s ``transposed_out``;
+    a GPU-check / timing variant). ``stages``: SMEM ring depth of both kernels; ``interpret``:
+    Mosaic GPU's interpreter (CPU tests).
     """
     n, H = xt.shape
     k = top_i.shape[1]
@@ -591,6 +594,11 @@ def moe_experts(xt, top_w, top_i, gate_up, down, *, gather_below=None, small_max
     xp = jnp.concatenate([xt, jnp.zeros((1, H), xt.dtype)])[src]  # padding rows: the zero row
     row_w = jnp.zeros((lay.num_rows,), jnp.float32).at[pos].set(top_w.reshape(-1).astype(jnp.float32),
                                                                 unique_indices=True)
+    if small and small_transposed_out:  # [I, rows] and [H, rows]: XLA transposes h, the un-sort reads y's columns
+        kw = dict(block_rows=R, transposed_out=True, stages=stages, interpret=interpret)
+        h_t = grouped_gemm_small(xp, gate_up, lay.tiles, fused=True, **kw)
+        y_t = grouped_gemm_small(h_t.T, down, lay.tiles, row_w, **kw)
+        return jnp.take(y_t, pos.reshape(n, k), axis=1).astype(jnp.float32).sum(axis=2).T
     gemm = (functools.partial(grouped_gemm_small, block_rows=R) if small else grouped_gemm_padded)
     h = gemm(xp, gate_up, lay.tiles, fused=True, stages=stages, interpret=interpret)
     y = gemm(h, down, lay.tiles, row_w, stages=stages, interpret=interpret)

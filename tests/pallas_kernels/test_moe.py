@@ -293,6 +293,8 @@ def test_small_path_matches_gather_and_oracle(dtype):
         assert_close(got, oracle64(*args), TOL[dtype], what + " vs float64")
     got = moe.moe_experts(*args, block_rows=32, stages=2, interpret=True)  # 32-row tiles, 2-deep ring
     assert_close(got, oracle64(*args), TOL[dtype], "small R=32")
+    got = moe.moe_experts(*args, small_transposed_out=True, interpret=True)  # transposed tiles, XLA transposes
+    assert_close(got, oracle64(*args), TOL[dtype], "small transposed_out")
 
 
 def _moe_cfg(kernels: str, **kw) -> ModelConfig:
@@ -343,7 +345,7 @@ def test_backend_switch_and_contract():
 
 
 @pytest.mark.parametrize("n, kw", [(1, dict(gather_below=0, small_max_rows=0)), (4096, {}), (1, {}), (32, {}),
-                                   (64, {}), (8, dict(block_rows=32))])
+                                   (64, {}), (8, dict(block_rows=32)), (1, dict(small_transposed_out=True))])
 def test_kernels_lower_for_the_gpu(n, kw):
     """Mosaic GPU lowering (TMA boxes, swizzles, WGMMA operand layouts incl. the small path's
     MN-major A, the SMEM budget) runs without a GPU, and the interpreter does not take it: at the
