@@ -15,7 +15,8 @@ heads / channels and against the jnp reference on the GPU, and padding tokens mu
 ``kda_chunk_fused.py`` the same way with bf16 operands, gates strong enough to stress the on-chip UT
 inverse (and, for KDA, the per-channel decay's range) included.
 The ``moe`` suite checks the routed experts
-(``pallas_kernels/moe.py``) at decode and prefill token counts against a float64 oracle on up to 64
+(``pallas_kernels/moe.py``: the 64-row grouped kernel, the swap-AB small path at decode token counts,
+the gather path) at decode and prefill token counts against a float64 oracle on up to 64
 tokens and against ``layers.routed_experts`` (``lax.ragged_dot``) on the GPU, and reports the max
 absolute error beside the relative ones.
 """
@@ -539,13 +540,22 @@ def conv1d_checks(interpret=False):
 MOE_MODEL = dict(E=64, k=8, H=2048, I=512)
 # (tokens, routing): decode 1 / 8 / 32 tokens, prefill 512 / 4096; "skewed" routes most rows to a
 # few experts and none to a quarter of them (empty groups, groups of many tiles).
-MOE_CASES = [(1, "random"), (8, "random"), (32, "random"), (512, "random"), (4096, "random"), (4096, "skewed")]
-# Variants: the kernel at every token count (gather_below=0: moe_experts' default takes the gather
-# path below E routed rows), its 2-stage ring (96 KiB of SMEM: two programs per SM), and the gather
-# path (decode sizes only: it materialises n * k experts' weights).
-MOE_VARIANTS = {"moe_s4": dict(gather_below=0), "moe_s2": dict(gather_below=0, stages=2),
+MOE_CASES = [(1, "random"), (8, "random"), (32, "random"), (32, "skewed"), (512, "random"), (4096, "random"),
+             (4096, "skewed")]
+# Variants: the 64-row grouped kernel at every token count (gather_below=0, small_max_rows=0:
+# moe_experts' default takes the small path up to moe.SMALL_MAX_ROWS routed rows), its 2-stage ring
+# (96 KiB of SMEM: two programs per SM); the swap-AB small path (moe_experts' default at decode
+# sizes: 8-row tiles at 1 to 32 tokens of top-8) with its 4- and 2-stage rings and 16-row tiles
+# forced, and with its tiles stored transposed (XLA transposes; in case the default's store through
+# a transposed SMEM view is wrong or slow on the GPU); and the gather path (decode sizes only: it materialises n * k experts' weights).
+MOE_VARIANTS = {"moe_s4": dict(gather_below=0, small_max_rows=0),
+                "moe_s2": dict(gather_below=0, small_max_rows=0, stages=2),
+                "moe_small": dict(gather_below=0), "moe_small_s2": dict(gather_below=0, stages=2),
+                "moe_small_r16": dict(gather_below=0, block_rows=16),
+                "moe_small_tr": dict(gather_below=0, small_transposed_out=True),
                 "moe_gather": None}
 MOE_GATHER_MAX_TOKENS = 32
+MOE_SMALL_MAX_TOKENS = 64  # moe.SMALL_MAX_ROWS (512) routed rows of top-8: the small variants' range
 MOE_ORACLE_TOKENS = 64  # tokens checked against float64 (tokens are independent)
 # bf16 operands, fp32 products; the intermediate and each weighted expert output rounded to bf16 once
 # (METHOD.md: between 1e-3 and 1e-2). The jnp reference rounds after every op: twice the margin.
@@ -624,11 +634,13 @@ def check_moe(n, kind, variant, seed, interpret=False):
 def moe_checks(interpret=False):
     """Every MOE_CASES case for every applicable variant, one record each; a case that raises is
     recorded as an error."""
-    cases = [(1, "random"), (8, "random"), (40, "skewed")] if interpret else MOE_CASES
+    cases = [(1, "random"), (8, "random"), (40, "skewed")] if interpret else MOE_CASES  # interpret: top-2
     seed = 400
     for n, kind in cases:
         for variant in MOE_VARIANTS:
             if MOE_VARIANTS[variant] is None and n > MOE_GATHER_MAX_TOKENS:
+                continue
+            if variant.startswith("moe_small") and n > MOE_SMALL_MAX_TOKENS:
                 continue
             seed += 1
             try:

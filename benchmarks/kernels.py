@@ -1154,26 +1154,33 @@ def run_conv1d_fla(case):
 # 1024] and down [64, 512, 2048], 384 MiB a layer. A case is n tokens routed uniformly at random
 # (k distinct experts each, weights summing to 1), fresh routing at every step of a chain, the steps
 # alternating between MOE_LAYERS copies of the weights so no step finds its experts in L2 (a batch-1
-# step's 8 experts are 48 MiB, about the L2). Timed: ours (the kernel through ``moe_experts``, its
-# 4- and 2-stage rings, forced at every n; the gather path ``moe_experts_gather`` at n <= 32),
+# step's 8 experts are 48 MiB, about the L2). Timed: ours (the 64-row grouped kernel through
+# ``moe_experts``, its 4- and 2-stage rings, forced at every n; the swap-AB small path, moe_experts'
+# default at n * k <= moe.SMALL_MAX_ROWS, at n <= 64: its default 8-row tiles with 4- and 2-stage
+# rings, 16-row tiles and its transposed-store variant; the gather path ``moe_experts_gather`` at n <= 32),
 # jnp = ``layers.routed_experts`` (``lax.ragged_dot``). Roofline: the bytes a step must move (the
 # weights of the distinct experts it uses, x read, the fp32 output written) over the copy bandwidth,
 # or, where the step's FLOPs over its bytes exceed MOE_BALANCE, its FLOP floor (2 n k 3 H I) over the
 # measured bf16 matmul rate; each record's detail keeps both counts ("cost").
 MOE_BENCH_MODEL = dict(model="target MoE", E=64, k=8, H=2048, I=512)
-MOE_TOKENS = (1, 32, 512, 4096)
+MOE_TOKENS = (1, 8, 32, 512, 4096)
 MOE_LAYERS = 2
 MOE_GATHER_MAX_TOKENS = 32  # the gather path materialises n * k experts' weights (1.5 GiB at n = 32)
+MOE_SMALL_MAX_TOKENS = 64  # moe.SMALL_MAX_ROWS (512) routed rows of top-8
 MOE_BALANCE = 230  # FLOP per byte where the H200's bf16 rate (~990 TFLOP/s) meets its copy bandwidth (~4.3 TB/s)
-MOE_VARIANTS_TIMED = {"moe_s4": dict(gather_below=0), "moe_s2": dict(gather_below=0, stages=2), "moe_gather": None}
+MOE_VARIANTS_TIMED = {"moe_s4": dict(gather_below=0, small_max_rows=0),
+                      "moe_s2": dict(gather_below=0, small_max_rows=0, stages=2),
+                      "moe_small": dict(gather_below=0), "moe_small_s2": dict(gather_below=0, stages=2),
+                      "moe_small_r16": dict(gather_below=0, block_rows=16),
+                      "moe_small_tr": dict(gather_below=0, small_transposed_out=True), "moe_gather": None}
 if os.environ.get("KERNELS_SMOKE"):
     MOE_BENCH_MODEL = dict(MOE_BENCH_MODEL, E=8, k=2, H=64, I=64)
     MOE_TOKENS, MOE_GATHER_MAX_TOKENS = (1, 40), 1
-CHECKED_AS.update({n: n for n in MOE_VARIANTS_TIMED})  # gpu_check rows with variants moe_s4, moe_s2, moe_gather
+CHECKED_AS.update({n: n for n in MOE_VARIANTS_TIMED})  # gpu_check rows with the same variant names
 
 
 def moe_cases(quick=False):
-    tokens = MOE_TOKENS[::3] if quick else MOE_TOKENS
+    tokens = (MOE_TOKENS[0], MOE_TOKENS[-1]) if quick else MOE_TOKENS
     return [dict(suite="moe", kind="moe", tokens=n, **MOE_BENCH_MODEL) for n in tokens]
 
 
@@ -1184,7 +1191,7 @@ def moe_case_key(m):
 def moe_steps(case):
     if os.environ.get("KERNELS_SMOKE"):
         return 2
-    return {1: 16, 32: 8, 512: 4}.get(case["tokens"], 2)
+    return {1: 16, 8: 16, 32: 8, 512: 4}.get(case["tokens"], 2)
 
 
 def moe_routings(case):
@@ -1245,6 +1252,8 @@ def run_moe_jax(case, allowed=None):
     fns = {}
     for name, kw in MOE_VARIANTS_TIMED.items():
         if kw is None and n > MOE_GATHER_MAX_TOKENS:
+            continue
+        if name.startswith("moe_small") and n > MOE_SMALL_MAX_TOKENS:
             continue
         if allowed is not None and name not in allowed:
             out[f"ours_{name}"] = dict(error="not run: failed or missing in gpu_check")

@@ -1,11 +1,11 @@
-"""Routed MoE experts: a grouped GEMM in Pallas Mosaic GPU (sm_90) and a gather path for decode.
+"""Routed MoE experts: grouped GEMMs in Pallas Mosaic GPU (sm_90): 64-row tiles for prefill, swap-AB for decode.
 
 Replaces the routed part of ``jaxserve.models.layers.moe``, whose ``lax.ragged_dot`` XLA lowers on
 the GPU to masked dense work over every expert (at batch 1 a 64-expert top-8 layer reads all 64
 experts' weights, 8x what the step needs; at a 4096-token prefill it does 8x the FLOPs).
 
-Grouped GEMM (``grouped_matmul``, and the two GEMMs of ``moe_experts``)
-----------------------------------------------------------------------
+Grouped GEMM (``grouped_matmul``, and the two GEMMs of ``moe_experts`` at prefill sizes)
+-------------------------------------------------------------------------------------
 Rows sorted by expert (``xs [M, K]``, ``group_sizes [E]``) times per-expert weights ``[E, K, N]``.
 
 * Padded layout (XLA, before the kernel): each expert's rows start on a multiple of ``block_m``
@@ -34,21 +34,61 @@ Rows sorted by expert (``xs [M, K]``, ``group_sizes [E]``) times per-expert weig
 * Reads per GEMM: each used expert's weights once per row tile it owns (from HBM for the first,
   mostly L2 after), the x rows once per N tile (L2 after the first), nothing of an empty expert.
 
-Decode path (``moe_experts_gather``)
-------------------------------------
-With fewer routed rows than experts (``n * top_k < E``, the default ``gather_below``), every
-expert a token uses is gathered (``gate_up[top_i]``, ``down[top_i]``) and multiplied by that
+Small-row (decode) path: swap-AB grouped GEMM (``grouped_gemm_small``)
+-----------------------------------------------------------------------
+A decode step has few routed rows per expert (1 token of top-8: 8 rows on 8 experts; 32 tokens:
+256 rows, ~4 on each of nearly all 64 experts). In 64-row tiles (one WGMMA M) that is 1 / 64 of the
+tensor core's work used and, at batch 1, a gate/up grid of 8 experts x 4 N tiles; the XLA gather
+path instead reads the used experts' bytes ~3 times (read, write the copy, read it for the dot).
+Swap-AB makes the WEIGHTS the WGMMA M operand and the tokens its N operand:
+
+* Layout: the same padded layout in ``R``-row tiles (``padded_layout(.., block_m=R)``, ``R`` in 8 /
+  16 / 32, WGMMA N a multiple of 8; ``small_block_rows``: the smallest at least twice the mean rows
+  per expert, ``2 n k / E``: 8 up to ``4 E`` routed rows (1 to 32 tokens of the 64-expert top-8
+  layer), 16 up to ``8 E`` (64 tokens), 32 above), the per-tile expert ids and used tile count as
+  above; a program past the used count returns at once (reads nothing).
+* Program (column tile j, row tile i), grid (N / 64, num_tiles), column tiles fastest:
+  ``acc[64, R] = w[e][:, 64j : 64j+64]^T @ x[rows(i)]^T`` in fp32. A = the weight tile ``[block_k,
+  64]`` as TMA brings it (128-byte swizzle over its 64 columns), used through a transposed view
+  (MN-major A: sm_90 WGMMA takes it for 16-bit types); B = the ``[R, block_k]`` row tile, through a
+  transposed view (``[block_k, R]``, K-major: WGMMA's native B). Same ring as above (``stages``
+  SMEM slots per operand, one barrier each, ``block_k`` = 64 bf16), the fused gate/up (two ``[64,
+  R]`` accumulators for the gate columns ``64j..`` and the up columns ``I + 64j..``, epilogue
+  ``silu(gate) * up`` in fp32, rounded once), and the down GEMM's routing weights (per tile, ``R``
+  fp32 padded to 32 so the TMA copy is 128 bytes; loaded in the accumulator's column layout, a
+  routed row being a column of ``acc``).
+* Output: in row order, ``[rows, N]`` like the 64-row kernel: the epilogue stores the ``[64, R]``
+  accumulator through a transposed view of a ``[R, 64]`` SMEM tile (128-byte swizzle), then one
+  TMA store. So the gate/up output is the down GEMM's ``[rows, I]`` operand as it is and the
+  un-sort is the same gather + fp32 sum: no XLA transpose between or after the kernels.
+  (``transposed_out``: store the ``[64, R]`` tile as it is into ``[N, rows]``, an unswizzled
+  16-byte-row tile at R = 8; kept, tested, for the case the transposed SMEM store is slow on the
+  GPU; the small ``[n k, N]`` results would then be transposed by XLA.)
+* Reads: every used expert's gate_up and down bytes once per row tile it owns (one tile whenever
+  its rows fit ``R``: the rule above makes that the common case; a second tile runs right after
+  the first, so from L2), the ``R`` rows once per column tile (L2 after the first), nothing of an
+  unused expert. 64-column tiles: I / 64 = 8 gate/up and H / 64 = 32 down column tiles per used
+  expert tile at the target layer (at batch 1: 64 gate/up programs of 512 KiB and 256 down
+  programs of 64 KiB).
+* SMEM per program (``small_smem_bytes``, bf16, ``block_k`` 64): ``(stages * (R + nw * 64) *
+  block_k + 64 R) * 2 + 4 max(R, 32)`` bytes (``nw`` = 2 fused, else 1): fused 69 / 74 / 84 KiB at
+  R = 8 / 16 / 32 and 4 stages (three programs per SM), down 37 KiB at R = 8.
+* ``moe_experts`` takes it at ``n * k <= SMALL_MAX_ROWS`` (512: 64 tokens of top-8) where it tiles
+  (``small_supports``: H and I multiples of 64); above, the 64-row kernel, whose 64-row tiles are
+  full enough there.
+
+Gather path (``moe_experts_gather``): reference and fallback
+-----------------------------------------------------------
+Every expert a token uses is gathered (``gate_up[top_i]``, ``down[top_i]``) and multiplied by that
 token's row alone (batched matmul-vector products in XLA, fp32 accumulation). XLA reads the
 gathered experts' bytes, writes the gathered copy and reads it back for the dot (it does not fuse a
 gather into a GEMM operand): at most 3x the used experts' bytes, against ``ragged_dot``'s
-dense lowering reading all ``E`` experts (``E / top_k`` = 8x the used bytes at batch 1). Below
-``E`` routed rows the gather can never read more expert matrices than the whole layer has.
-It exists because the grouped kernel at batch 1 multiplies 64-row tiles holding one real row each
-and its gate/up GEMM runs ``top_k * I / 64`` programs (64 at the target shapes), half the SMs,
-for a bandwidth-bound step; ``benchmarks/kernels.py --only moe`` times both at n = 1 and 32 so
-the threshold can be set from measurements.
+dense lowering reading all ``E`` experts. ``moe_experts`` takes it below ``gather_below`` routed
+rows: by default only where the small path cannot tile the layer (e.g. the shipped test model's
+I = 32) and ``n * k < E``. ``benchmarks/kernels.py --only moe`` times it beside the kernels at
+n = 1, 8, 32.
 
-Numerics (both paths): products accumulate in fp32; ``silu(gate) * up`` in fp32, rounded once to
+Numerics (all paths): products accumulate in fp32; ``silu(gate) * up`` in fp32, rounded once to
 the activation dtype (it is the next GEMM's operand); the down products accumulate in fp32 and are
 scaled by the fp32 routing weights, rounded once; the ``top_k`` contributions of a token are summed
 in fp32 and returned in fp32. ``layers.moe``'s jnp path rounds after each op instead, so bf16
@@ -57,12 +97,16 @@ results differ from it by bf16 roundings; in fp32 they agree to summation order.
 Contract (GPU): bf16 or fp16 activations and weights (fp32 would be tf32 WGMMA with an MN-major
 B operand, which sm_90 does not have; fp32 runs only in interpret mode, for tests); hidden and
 expert intermediate sizes that ``default_blocks`` tiles (``supports``: multiples of 16; 64 gives
-the 128-byte swizzle); ``sum(group_sizes) <= M``.
+the 128-byte swizzle; the small path also wants multiples of 64, ``small_supports``, and is
+skipped otherwise); ``sum(group_sizes) <= M``. The small path's MN-major A / transposed views are
+16-bit-only on sm_90 too (fp32: interpret mode only, as above).
 
-Status: correct in Mosaic GPU's interpreter on the CPU (tests/pallas_kernels/test_moe.py) and on
-an H100 (``benchmarks/gpu_check.py --suites moe``: 15 / 15, 1 to 4096 tokens); in
-``jaxserve.models.backends.AUTO_ON_GPU``. Timings: ``benchmarks/kernels.py --only moe``,
-benchmarks/RESULTS.md "MoE experts".
+Status: the 64-row kernel and the gather path: correct in Mosaic GPU's interpreter on the CPU
+(tests/pallas_kernels/test_moe.py) and on an H100 (``benchmarks/gpu_check.py --suites moe``: 15 /
+15, 1 to 4096 tokens); in ``jaxserve.models.backends.AUTO_ON_GPU``. The small path: interpret-mode
+tested (and lowered for sm_90 at the target shapes), GPU check pending (gpu_check variants
+``moe_small*``). Timings: ``benchmarks/kernels.py --only moe``, benchmarks/RESULTS.md "MoE
+experts".
 """
 
 from __future__ import annotations
@@ -130,32 +174,33 @@ def supports(hidden: int, intermediate: int, dtype, *, gpu: bool = True) -> bool
 class Layout(NamedTuple):
     """Where the expert-sorted rows go in the padded layout.
 
-    ``tiles`` int32 ``[num_tiles + 1]``: the expert of each 64-row tile, then the number of used
-    tiles (tiles past it belong to no expert and are skipped; their expert id is clamped to E-1,
-    never read). ``pos`` int32 ``[M]``: the padded row of sorted row ``j`` (``num_tiles * 64``, out
-    of range, for rows past ``sum(group_sizes)``, which belong to no group)."""
+    ``tiles`` int32 ``[num_tiles + 1]``: the expert of each ``block_m``-row tile, then the number of
+    used tiles (tiles past it belong to no expert and are skipped; their expert id is clamped to
+    E-1, never read). ``pos`` int32 ``[M]``: the padded row of sorted row ``j`` (``num_tiles *
+    block_m``, out of range, for rows past ``sum(group_sizes)``, which belong to no group)."""
 
     tiles: jax.Array
     pos: jax.Array
+    block_m: int = BLOCK_M  # rows per tile (static): 64 for the grouped kernel, 8 / 16 / 32 for the small path
 
     @property
     def num_rows(self) -> int:
-        return (self.tiles.shape[0] - 1) * BLOCK_M
+        return (self.tiles.shape[0] - 1) * self.block_m
 
 
-def num_tiles(num_rows: int, num_experts: int) -> int:
-    """Static bound on the 64-row tiles of ``num_rows`` routed rows: ``Σ_e ceil(g_e / 64) <= M // 64
-    + #{e: g_e % 64 != 0} <= M // 64 + min(E, M)``."""
-    return num_rows // BLOCK_M + min(num_experts, num_rows)
+def num_tiles(num_rows: int, num_experts: int, block_m: int = BLOCK_M) -> int:
+    """Static bound on the ``block_m``-row tiles of ``num_rows`` routed rows: ``Σ_e ceil(g_e / b) <=
+    M // b + #{e: g_e % b != 0} <= M // b + min(E, M)``."""
+    return num_rows // block_m + min(num_experts, num_rows)
 
 
-def padded_layout(group_sizes: jax.Array, num_rows: int) -> Layout:
-    """The padded layout of ``num_rows`` expert-sorted rows with these group sizes (jnp ops only:
-    the routing is data, the shapes are static)."""
+def padded_layout(group_sizes: jax.Array, num_rows: int, block_m: int = BLOCK_M) -> Layout:
+    """The padded layout of ``num_rows`` expert-sorted rows with these group sizes, in
+    ``block_m``-row tiles (jnp ops only: the routing is data, the shapes are static)."""
     E = group_sizes.shape[0]
     gs = group_sizes.astype(jnp.int32)
-    nt = num_tiles(num_rows, E)
-    tiles_per = (gs + BLOCK_M - 1) // BLOCK_M
+    nt = num_tiles(num_rows, E, block_m)
+    tiles_per = (gs + block_m - 1) // block_m
     tile_end = jnp.cumsum(tiles_per)
     tile_start = tile_end - tiles_per
     expert = jnp.searchsorted(tile_end, jnp.arange(nt, dtype=jnp.int32), side="right")
@@ -164,8 +209,8 @@ def padded_layout(group_sizes: jax.Array, num_rows: int) -> Layout:
     j = jnp.arange(num_rows, dtype=jnp.int32)
     e = jnp.searchsorted(row_end, j, side="right")
     ec = jnp.minimum(e, E - 1)
-    pos = tile_start[ec] * BLOCK_M + j - (row_end[ec] - gs[ec])
-    return Layout(tiles, jnp.where(e < E, pos, nt * BLOCK_M).astype(jnp.int32))
+    pos = tile_start[ec] * block_m + j - (row_end[ec] - gs[ec])
+    return Layout(tiles, jnp.where(e < E, pos, nt * block_m).astype(jnp.int32), block_m)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -310,6 +355,181 @@ def grouped_matmul(xs, w, group_sizes, *, block_n=None, block_k=None, stages=4, 
 
 
 # ------------------------------------------------------------------------------------------------
+# Small-row (decode) path: swap-AB grouped GEMM
+# ------------------------------------------------------------------------------------------------
+
+BLOCK_W = 64  # weight output columns per program: the WGMMA M of the swap-AB kernel
+SMALL_MAX_ROWS = 512  # moe_experts takes the small path up to this many routed rows (64 tokens of top-8)
+SMALL_BLOCK_ROWS = (8, 16, 32)  # row tiles of the small path (WGMMA N: a multiple of 8)
+
+
+def small_block_rows(num_rows: int, num_experts: int) -> int:
+    """Rows per tile of the small path for ``num_rows`` routed rows over ``num_experts`` experts:
+    the smallest of 8 / 16 / 32 at least twice the mean rows per expert (``2 M / E``), so at
+    uniform routing nearly every used expert fits one tile (its weights read once) and the padding
+    the tensor core multiplies stays small (8 at up to ``4 E`` rows: 1 to 32 tokens of a 64-expert
+    top-8 layer; 16 up to ``8 E``: 64 tokens; 32 above)."""
+    return next((r for r in SMALL_BLOCK_ROWS if 2 * num_rows <= r * num_experts), SMALL_BLOCK_ROWS[-1])
+
+
+def small_blocks(k: int, n: int, dtype) -> int:
+    """``block_k`` of a small-path GEMM with reduction size ``k`` and ``n`` output columns (fused:
+    ``n`` gate and ``n`` up columns); 0 when it does not tile: ``n`` a multiple of ``BLOCK_W`` (64
+    weight columns, the WGMMA M and the weight tile's 128-byte swizzle row in bf16), ``block_k`` =
+    128 bytes of a row (64 bf16), else 64 or 32 bytes, the largest that divides ``k``."""
+    if n % BLOCK_W:
+        return 0
+    step = 128 // jnp.dtype(dtype).itemsize
+    return next((bk for bk in (step, step // 2, step // 4) if k % bk == 0), 0)
+
+
+def small_supports(hidden: int, intermediate: int, dtype) -> bool:
+    """Whether the small path tiles a layer of this hidden / expert intermediate size."""
+    return bool(small_blocks(hidden, intermediate, dtype) and small_blocks(intermediate, hidden, dtype))
+
+
+def _kernel_small(tiles_ref, x_ref, w_ref, *refs, block_rows, block_k, stages, fused, scaled, transposed_out):
+    """One (column tile j, row tile i) of the swap-AB GEMM: ``acc[64, R] = w[e][:, cols(j)]^T @
+    x[rows(i)]^T`` (the weight tile is WGMMA's A operand, MN-major; the row tile its B, K-major)
+    and the epilogue; written as the ``[R, 64]`` tile of ``o [rows, N]`` through a transposed
+    view of the SMEM output tile (``transposed_out``: as the ``[64, R]`` tile of ``o [N, rows]``).
+    Nothing when row tile i is past the used count."""
+    if scaled:
+        rw_ref, o_ref, x_smem, w_smem, o_smem, rw_smem, bars = refs
+    else:
+        rw_ref, rw_smem, (o_ref, x_smem, w_smem, o_smem, bars) = None, None, refs
+    j = lax.axis_index("n")
+    i = lax.axis_index("m")
+    br, bw, bk = block_rows, BLOCK_W, block_k
+    nk = x_ref.shape[1] // bk
+    half = o_ref.shape[0 if transposed_out else 1]  # fused: the up columns start here in w (w is [E, K, 2 * half])
+    cols = (j * bw,) + ((half + j * bw,) if fused else ())
+    nops = len(cols)
+    per_slot = 1 + nops
+    rows = pl.ds(i * br, br)
+
+    @pl.when(i < tiles_ref[tiles_ref.shape[0] - 1])
+    def _():
+        e = tiles_ref[i]
+        if scaled:
+            rw_bar = bars.at[stages * per_slot]
+            plgpu.copy_gmem_to_smem(rw_ref.at[i], rw_smem, rw_bar)  # [max(R, 32)]: R weights, then 0s
+
+        def issue(s):
+            slot = s % stages
+            ks = pl.ds(s * bk, bk)
+            plgpu.copy_gmem_to_smem(x_ref.at[rows, ks], x_smem.at[slot], bars.at[slot * per_slot])
+            for op, c0 in enumerate(cols):
+                plgpu.copy_gmem_to_smem(w_ref.at[e, ks, pl.ds(c0, bw)], w_smem.at[op, slot],
+                                        bars.at[slot * per_slot + 1 + op])
+
+        def products(*accs):
+            for s in range(min(stages - 1, nk)):
+                issue(s)
+
+            def step(s, carry):
+                slot = lax.rem(s, stages)
+                for b in range(per_slot):
+                    plgpu.barrier_wait(bars.at[slot * per_slot + b])
+                xt = x_smem.at[slot].transpose((1, 0))  # [bk, R]: B, K-major (plgpu.transpose_ref)
+                for op, acc in enumerate(accs):
+                    plgpu.wgmma(acc, w_smem.at[op, slot].transpose((1, 0)), xt)  # A [64, bk]: MN-major
+                plgpu.wgmma_wait(nops)  # step s-1's products are done: its slot takes step s+stages-1
+
+                @pl.when(s + stages - 1 < nk)
+                def _():
+                    issue(s + stages - 1)
+
+                return carry
+
+            lax.fori_loop(0, nk, step, 0)
+            return tuple(acc[...] for acc in accs)
+
+        out = pl.run_scoped(products, *(plgpu.ACC((bw, br), jnp.float32) for _ in range(nops)))
+        if fused:
+            gate, up = out
+            h = gate / (1.0 + jnp.exp(-gate)) * up
+        else:
+            (h,) = out
+        if scaled:  # a routed row is a column of acc
+            plgpu.barrier_wait(rw_bar)
+            w_rows = plgpu.load(rw_smem.at[pl.ds(0, br)], layout=plgpu.Layout.WGMMA.reduce(0))
+            h = h * lax.broadcast_in_dim(w_rows, h.shape, [1])
+        if transposed_out:
+            o_smem[...] = h.astype(o_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[pl.ds(j * bw, bw), rows])
+        else:  # o_smem is [R, 64]: acc's transpose goes through the store's addressing
+            o_smem.transpose((1, 0))[...] = h.astype(o_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[rows, pl.ds(j * bw, bw)])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def small_smem_bytes(block_rows: int, block_k: int, stages: int, fused: bool, itemsize: int = 2) -> int:
+    """SMEM of one small-path program: the ring (``stages`` x tiles of ``R x block_k`` rows and
+    ``nw`` weight tiles of ``block_k x 64``), the ``64 x R`` output tile and the fp32 row weights."""
+    nw = 2 if fused else 1
+    return (stages * (block_rows + nw * BLOCK_W) * block_k + BLOCK_W * block_rows) * itemsize + 4 * max(block_rows, 32)
+
+
+def grouped_gemm_small(xp, w, tiles, row_weights=None, *, block_rows, fused=False, block_k=None, stages=4,
+                       transposed_out=False, interpret=False):
+    """The swap-AB kernel on the padded layout of ``block_rows``-row tiles: ``xp [num_tiles * R,
+    K]`` (tile ``t`` of rows times expert ``tiles[t]``'s weights, for ``t < tiles[-1]``), ``w [E,
+    K, N]``.
+
+    Returns ``[num_tiles * R, N]`` in ``xp.dtype`` (``fused``: ``[.., N / 2]``, ``silu(x w[:, :N/2])
+    * (x w[:, N/2:])``), as ``grouped_gemm_padded``; rows of unused tiles are left unwritten.
+    ``transposed_out``: the transposed result ``[N (or N / 2), num_tiles * R]`` instead, each
+    program's ``[64, R]`` accumulator stored as it is (the default stores it through a transposed
+    view of a ``[R, 64]`` SMEM tile, so the next GEMM takes it without an XLA transpose).
+    ``row_weights`` fp32 ``[num_tiles * R]`` scales each row (output column) before its one
+    rounding. ``block_k`` defaults to ``small_blocks``. SMEM: ``small_smem_bytes`` (fused bf16, R =
+    8, 4 stages: 69 KiB)."""
+    Mp, K = xp.shape
+    E, K2, Nw = w.shape
+    R = block_rows
+    if (K2 != K or xp.dtype != w.dtype or R % 8 or R > 64 or Mp % R or tiles.shape != (Mp // R + 1,)
+            or (fused and Nw % 2)):
+        raise ValueError(f"moe small GEMM: x {xp.shape} {xp.dtype}, w {w.shape} {w.dtype}, tiles {tiles.shape}, "
+                         f"block_rows {R}")
+    N = Nw // 2 if fused else Nw
+    block_k = block_k or small_blocks(K, N, xp.dtype)
+    if not block_k or K % block_k or N % BLOCK_W or stages < 2:
+        raise ValueError(f"moe small GEMM: K={K}, N={N} (fused={fused}) do not fit block_k={block_k}, "
+                         f"{BLOCK_W}-column tiles, stages={stages}")
+    stages = min(stages, max(2, K // block_k))
+    nops = 2 if fused else 1
+    # a TMA copy moves a multiple of 128 bytes: each tile's R fp32 row weights padded to 32
+    rw_len = max(R, 32)
+    scratch = [
+        plgpu.SMEM((stages, R, block_k), xp.dtype, transforms=_transforms(xp.dtype, block_k)),
+        plgpu.SMEM((nops, stages, block_k, BLOCK_W), w.dtype, transforms=_transforms(w.dtype, BLOCK_W)),
+        # transposed_out: the output tile's rows are R elements, 16 bytes at R = 8 bf16, below the
+        # smallest swizzle (32 bytes): unswizzled then
+        plgpu.SMEM((BLOCK_W, R), xp.dtype, transforms=_transforms(xp.dtype, R) if R * xp.dtype.itemsize >= 32 else ())
+        if transposed_out else plgpu.SMEM((R, BLOCK_W), xp.dtype, transforms=_transforms(xp.dtype, BLOCK_W)),
+        *([plgpu.SMEM((rw_len,), jnp.float32)] if row_weights is not None else []),
+        plgpu.Barrier(num_barriers=stages * (1 + nops) + (row_weights is not None)),
+    ]
+    kernel = plgpu.kernel(
+        functools.partial(_kernel_small, block_rows=R, block_k=block_k, stages=stages, fused=fused,
+                          scaled=row_weights is not None, transposed_out=transposed_out),
+        out_type=jax.ShapeDtypeStruct((N, Mp) if transposed_out else (Mp, N), xp.dtype),
+        grid=(N // BLOCK_W, Mp // R),
+        grid_names=("n", "m"),
+        scratch_types=scratch,
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=_interpret_params(interpret),
+    )
+    if row_weights is not None:
+        row_weights = jnp.pad(row_weights.astype(jnp.float32).reshape(Mp // R, R), ((0, 0), (0, rw_len - R)))
+    args = (tiles, xp, w) + (() if row_weights is None else (row_weights,))
+    return kernel(*args)
+
+
+# ------------------------------------------------------------------------------------------------
 # The routed experts of a MoE layer
 # ------------------------------------------------------------------------------------------------
 
@@ -335,35 +555,51 @@ def moe_experts_gather(xt, top_w, top_i, gate_up, down):
     return (y * top_w.astype(f32)[..., None]).astype(xt.dtype).astype(f32).sum(axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("gather_below", "stages", "interpret"))
-def moe_experts(xt, top_w, top_i, gate_up, down, *, gather_below=None, stages=4, interpret=False):
+@functools.partial(jax.jit, static_argnames=("gather_below", "small_max_rows", "block_rows", "small_transposed_out",
+                                             "stages", "interpret"))
+def moe_experts(xt, top_w, top_i, gate_up, down, *, gather_below=None, small_max_rows=SMALL_MAX_ROWS, block_rows=None,
+                small_transposed_out=False, stages=4, interpret=False):
     """The routed experts of ``layers.moe`` (everything but the router and the shared expert).
 
     ``xt [n, H]``; ``top_w [n, k]`` routing weights (used in fp32); ``top_i [n, k]`` expert ids;
     ``gate_up [E, H, 2I]``, ``down [E, I, H]`` in ``xt.dtype``. Returns fp32 ``[n, H]``.
 
-    With fewer than ``gather_below`` routed rows (``n * k``; default ``E``) the decode path
-    (``moe_experts_gather``); otherwise: sort the ``n * k`` (token, expert) pairs by expert
-    (stable), place them in the padded layout (``padded_layout``), run the fused gate/up kernel and
-    the down kernel (its epilogue scales each row by its routing weight), and sum each token's
-    ``k`` rows in fp32 (a gather: every pair knows its padded row). ``stages``: SMEM ring depth of
-    both kernels; ``interpret``: Mosaic GPU's interpreter (CPU tests).
+    Sort the ``n * k`` (token, expert) pairs by expert (stable), place them in the padded layout
+    (``padded_layout``), run the fused gate/up kernel and the down kernel (its epilogue scales each
+    row by its routing weight), and sum each token's ``k`` rows in fp32 (a gather: every pair
+    knows its padded row). With at most ``small_max_rows`` routed rows (``n * k``; 0 turns it
+    off) and a shape it tiles (``small_supports``), the kernels are the swap-AB small path
+    (``grouped_gemm_small``, ``block_rows``-row tiles, default ``small_block_rows``); else the
+    64-row grouped kernel (``grouped_gemm_padded``). With fewer than ``gather_below`` routed rows
+    the gather path (``moe_experts_gather``) instead; by default only where the small path does
+    not apply and ``n * k < E``. ``small_transposed_out``: the small kernels store their tiles
+    transposed and XLA transposes the small results (``grouped_gemm_small``'s ``transposed_out``;
+    a GPU-check / timing variant). ``stages``: SMEM ring depth of both kernels; ``interpret``:
+    Mosaic GPU's interpreter (CPU tests).
     """
     n, H = xt.shape
     k = top_i.shape[1]
     E = gate_up.shape[0]
     M = n * k
-    if M < (E if gather_below is None else gather_below):
+    small = M <= small_max_rows and small_supports(H, gate_up.shape[2] // 2, xt.dtype)
+    if M < (gather_below if gather_below is not None else 0 if small else E):
         return moe_experts_gather(xt, top_w, top_i, gate_up, down)
+    R = (block_rows or small_block_rows(M, E)) if small else BLOCK_M
     flat = top_i.reshape(-1).astype(jnp.int32)
     order = jnp.argsort(flat, stable=True)
-    lay = padded_layout(jnp.bincount(flat, length=E).astype(jnp.int32), M)
+    lay = padded_layout(jnp.bincount(flat, length=E).astype(jnp.int32), M, R)
     pos = jnp.zeros((M,), jnp.int32).at[order].set(lay.pos, unique_indices=True)  # padded row of pair t*k+s
     src = jnp.full((lay.num_rows,), n, jnp.int32).at[pos].set(jnp.arange(M, dtype=jnp.int32) // k,
                                                               unique_indices=True)
     xp = jnp.concatenate([xt, jnp.zeros((1, H), xt.dtype)])[src]  # padding rows: the zero row
     row_w = jnp.zeros((lay.num_rows,), jnp.float32).at[pos].set(top_w.reshape(-1).astype(jnp.float32),
                                                                 unique_indices=True)
-    h = grouped_gemm_padded(xp, gate_up, lay.tiles, fused=True, stages=stages, interpret=interpret)
-    y = grouped_gemm_padded(h, down, lay.tiles, row_w, stages=stages, interpret=interpret)
+    if small and small_transposed_out:  # [I, rows] and [H, rows]: XLA transposes h, the un-sort reads y's columns
+        kw = dict(block_rows=R, transposed_out=True, stages=stages, interpret=interpret)
+        h_t = grouped_gemm_small(xp, gate_up, lay.tiles, fused=True, **kw)
+        y_t = grouped_gemm_small(h_t.T, down, lay.tiles, row_w, **kw)
+        return jnp.take(y_t, pos.reshape(n, k), axis=1).astype(jnp.float32).sum(axis=2).T
+    gemm = (functools.partial(grouped_gemm_small, block_rows=R) if small else grouped_gemm_padded)
+    h = gemm(xp, gate_up, lay.tiles, fused=True, stages=stages, interpret=interpret)
+    y = gemm(h, down, lay.tiles, row_w, stages=stages, interpret=interpret)
     return y[pos.reshape(n, k)].astype(jnp.float32).sum(axis=1)

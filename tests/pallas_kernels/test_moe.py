@@ -173,19 +173,128 @@ def test_moe_experts_matches_routed_experts(kind, dtype, seed):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_decode_gather_path(dtype):
-    """Below E routed rows ``moe_experts`` gathers the tokens' experts: against the reference at
-    1 and 3 tokens, and the grouped kernel (forced) on the same 3 tokens agrees with it."""
+    """Below ``gather_below`` routed rows ``moe_experts`` gathers the tokens' experts: against the
+    reference at 1 and 3 tokens, and the 64-row grouped kernel (forced: no gather, no small path)
+    on the same 3 tokens agrees with it."""
     rng = np.random.default_rng(3)
     xt, gate_up, down = expert_inputs(rng, dtype, n=3)
     for n in (1, 3):
         top_w, top_i = routing(rng, "random", n)
         assert n * TOP_K < E  # the gather path
-        got = moe.moe_experts(xt[:n], top_w, top_i, gate_up, down, interpret=True)
+        got = moe.moe_experts(xt[:n], top_w, top_i, gate_up, down, gather_below=E, interpret=True)
         assert_close(got, reference(xt[:n], top_w, top_i, gate_up, down), TOL[dtype], f"gather n={n}")
-    kernel = moe.moe_experts(xt, top_w, top_i, gate_up, down, gather_below=0, interpret=True)
+    kernel = moe.moe_experts(xt, top_w, top_i, gate_up, down, gather_below=0, small_max_rows=0, interpret=True)
     # same roundings in the same places: only fp32 summation order differs (one bf16 ulp at most)
     assert_close(kernel, moe.moe_experts_gather(xt, top_w, top_i, gate_up, down),
                  TOL[jnp.float32] if dtype == jnp.float32 else 8e-3, "kernel vs gather")
+
+
+def oracle64(xt, top_w, top_i, gate_up, down):
+    """float64 ``Σ_s top_w[t, s] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` (no intermediate rounding)."""
+    x, gu, dn = (np.asarray(a, np.float64) for a in (xt, gate_up, down))
+    top_w, top_i = np.asarray(top_w, np.float64), np.asarray(top_i)
+    out = np.zeros(x.shape)
+    for t in range(x.shape[0]):
+        for s, e in enumerate(top_i[t]):
+            g, u = np.split(x[t] @ gu[e], 2)
+            out[t] += top_w[t, s] * ((g / (1 + np.exp(-g)) * u) @ dn[e])
+    return out
+
+
+def test_small_layout():
+    """8-row tiles: every tile one expert's, groups start on a tile, used tiles within the bound."""
+    gs = np.array([0, 9, 8, 1, 0, 0, 17, 3], np.int32)
+    lay = moe.padded_layout(jnp.asarray(gs), 40, 8)
+    tiles, pos = np.asarray(lay.tiles), np.asarray(lay.pos)
+    nt = moe.num_tiles(40, E, 8)
+    assert lay.num_rows == nt * 8 and tiles.shape == (nt + 1,) and tiles[-1] == 2 + 1 + 1 + 3 + 1 <= nt
+    real = np.arange(40) < gs.sum()
+    np.testing.assert_array_equal(tiles[pos[real] // 8], np.repeat(np.arange(E), gs))
+    assert (pos[~real] == nt * 8).all() and (pos[np.concatenate([[0], np.cumsum(gs)[:-1]])[gs > 0]] % 8 == 0).all()
+    assert [moe.small_block_rows(m, 64) for m in (8, 256, 257, 512, 513)] == [8, 8, 16, 16, 32]
+
+
+def test_small_kernel_ring_epilogues_and_races():
+    """The swap-AB kernel alone: a K loop of 10 (fp32: block_k 32) steps through 2- and 3-deep
+    rings, the fused epilogue with row weights and the plain GEMM, 8- and 16-row tiles, the output
+    in row order (through a transposed SMEM view) and transposed, under the race detector; against
+    float64."""
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+
+    K, N = 320, 64
+    gs = np.array([5, 0, 20, 0, 0, 3, 12, 0], np.int32)  # 40 rows
+    rng = np.random.default_rng(5)
+    xs = rng.normal(size=(40, K)).astype(np.float32)
+    w = rng.normal(size=(E, K, 2 * N)).astype(np.float32) * K ** -0.5
+    gu = ref_grouped(xs, w, gs)
+    params = moe.plgpu.InterpretGPUParams(detect_races=True)
+    for R, stages, tr in ((8, 2, False), (16, 3, True)):
+        lay = moe.padded_layout(jnp.asarray(gs), 40, R)
+        pos = np.asarray(lay.pos)
+        xp = np.zeros((lay.num_rows, K), np.float32)
+        xp[pos] = xs
+        row_w = rng.uniform(size=lay.num_rows).astype(np.float32)
+        fused_want = gu[:, :N] / (1 + np.exp(-gu[:, :N])) * gu[:, N:] * row_w[pos][:, None]
+        fused = jax.jit(lambda x, w, t, r: moe.grouped_gemm_small(x, w, t, r, block_rows=R, fused=True, stages=stages,
+                                                                  transposed_out=tr, interpret=params))
+        got = np.asarray(fused(jnp.asarray(xp), jnp.asarray(w), lay.tiles, jnp.asarray(row_w)))
+        assert not get_races().races_found
+        assert got.shape == ((N, lay.num_rows) if tr else (lay.num_rows, N))
+        assert_close((got.T if tr else got)[pos], fused_want, TOL[jnp.float32], f"small fused R={R} transposed={tr}")
+        plain = jax.jit(lambda x, w, t: moe.grouped_gemm_small(x, w, t, block_rows=R, stages=stages,
+                                                               transposed_out=not tr, interpret=True))
+        got = np.asarray(plain(jnp.asarray(xp), jnp.asarray(w), lay.tiles))
+        assert_close((got if tr else got.T)[pos], gu, TOL[jnp.float32], f"small plain R={R} transposed={not tr}")
+
+
+def test_small_kernel_transposed_out_lowers():
+    """The transposed-output variant (not ``moe_experts``' choice) lowers for sm_90 at the target
+    shapes too: 8-row tiles, its 16-byte unswizzled output tile, fused and down with row weights."""
+    f = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    lay_rows = moe.num_tiles(8, 64, 8) * 8
+    tiles = f((lay_rows // 8 + 1,), jnp.int32)
+    for fused, (K, Nw) in ((True, (2048, 1024)), (False, (512, 2048))):
+        fn = jax.jit(lambda x, w, t, r: moe.grouped_gemm_small(x, w, t, None if fused else r, block_rows=8, fused=fused,
+                                                               transposed_out=True))
+        text = fn.trace(f((lay_rows, K), bf), f((64, K, Nw), bf), tiles, f((lay_rows,), jnp.float32)).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert text.count("custom_call @mosaic_gpu") == 1
+
+
+def small_routing(rng, kind, n):
+    """(top_w, top_i) for the small-path cases: random distinct experts, every row on one expert
+    (each token's top-k all expert 3: repeated experts), or slot 0 on expert 3 for every token."""
+    top_w, top_i = routing(rng, "random", n)
+    top_i = np.asarray(top_i).copy()
+    if kind == "one":
+        top_i[:] = 3
+    elif kind == "skewed":
+        top_i[:, 0] = 3
+        top_i[:, 1] = np.where(top_i[:, 1] == 3, 6, top_i[:, 1])
+    return top_w, jnp.asarray(top_i, jnp.int32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_small_path_matches_gather_and_oracle(dtype):
+    """``moe_experts``' small path (the default at these sizes: 2 to 64 routed rows, 8- and 16-row
+    tiles) against the gather path (same roundings: fp32 summation order apart) and float64, at 1,
+    2, 5 and 32 tokens, random, skewed and all-on-one-expert routing (repeated experts in a token)."""
+    rng = np.random.default_rng(6)
+    xt, gate_up, down = expert_inputs(rng, dtype, n=32)
+    for n, kind in ((1, "random"), (2, "one"), (5, "random"), (32, "random"), (32, "skewed"), (32, "one")):
+        top_w, top_i = small_routing(rng, kind, n)
+        args = (xt[:n], top_w, top_i, gate_up, down)
+        got = moe.moe_experts(*args, interpret=True)
+        assert got.dtype == jnp.float32 and got.shape == (n, H)
+        what = f"small n={n} {kind} {jnp.dtype(dtype).name} R={moe.small_block_rows(n * TOP_K, E)}"
+        assert_close(got, moe.moe_experts_gather(*args), TOL[jnp.float32] if dtype == jnp.float32 else 8e-3,
+                     what + " vs gather")
+        assert_close(got, oracle64(*args), TOL[dtype], what + " vs float64")
+    got = moe.moe_experts(*args, block_rows=32, stages=2, interpret=True)  # 32-row tiles, 2-deep ring
+    assert_close(got, oracle64(*args), TOL[dtype], "small R=32")
+    got = moe.moe_experts(*args, small_transposed_out=True, interpret=True)  # transposed tiles, XLA transposes
+    assert_close(got, oracle64(*args), TOL[dtype], "small transposed_out")
 
 
 def _moe_cfg(kernels: str, **kw) -> ModelConfig:
@@ -195,7 +304,7 @@ def _moe_cfg(kernels: str, **kw) -> ModelConfig:
 
 def test_layers_moe_runs_the_kernel_under_pallas_interpret():
     """``layers.moe`` (router + routed + gated shared expert) through the kernel equals the jnp
-    backend in fp32, on a prefill-sized batch (grouped kernel) and a decode one (gather path)."""
+    backend in fp32, on a prefill-sized batch (grouped kernel) and a decode one (small path)."""
     cfg = _moe_cfg("pallas-interpret", hidden_size=H, moe_intermediate_size=I, num_experts=E,
                    num_experts_per_tok=TOP_K)
     rng = np.random.default_rng(4)
@@ -224,6 +333,8 @@ def test_backend_switch_and_contract():
     assert not layers.use_moe_kernel(_moe_cfg("conv1d"), jnp.bfloat16)
     assert moe.supports(2048, 512, jnp.bfloat16) and moe.supports(64, 64, jnp.float32, gpu=False)
     assert not moe.supports(2048, 512, jnp.float32) and not moe.supports(2048, 24, jnp.bfloat16)
+    # the small path needs 64-column tiles of both GEMMs; where it cannot, decode gathers (I = 32)
+    assert moe.small_supports(2048, 512, jnp.bfloat16) and not moe.small_supports(2048, 32, jnp.bfloat16)
     with pytest.raises(ValueError, match="the moe kernel does not take hidden 2048, expert intermediate 24"):
         layers.use_moe_kernel(_moe_cfg("pallas", hidden_size=2048, moe_intermediate_size=24), jnp.bfloat16)
     with pytest.raises(ValueError, match="float32"):
@@ -233,16 +344,19 @@ def test_backend_switch_and_contract():
         moe.grouped_gemm_padded(x, jnp.zeros((2, 64, 40), jnp.bfloat16), jnp.zeros(3, jnp.int32))
 
 
-@pytest.mark.parametrize("n", [1, 4096])
-def test_kernels_lower_for_the_gpu(n):
-    """Mosaic GPU lowering (TMA boxes, swizzles, WGMMA operand layouts, the SMEM budget) runs
-    without a GPU, and the interpreter does not take it: at the target model's shapes (hidden 2048,
-    64 experts top-8, intermediate 512, bf16), decode (the kernel forced at one token) and prefill,
-    the experts must lower for CUDA to exactly two Mosaic GPU kernels (gate/up and down; no jnp
-    fallback). Their values are checked against the references in interpret mode above."""
+@pytest.mark.parametrize("n, kw", [(1, dict(gather_below=0, small_max_rows=0)), (4096, {}), (1, {}), (32, {}),
+                                   (64, {}), (8, dict(block_rows=32)), (1, dict(small_transposed_out=True))])
+def test_kernels_lower_for_the_gpu(n, kw):
+    """Mosaic GPU lowering (TMA boxes, swizzles, WGMMA operand layouts incl. the small path's
+    MN-major A, the SMEM budget) runs without a GPU, and the interpreter does not take it: at the
+    target model's shapes (hidden 2048, 64 experts top-8, intermediate 512, bf16), decode (the
+    64-row kernel forced at one token; the small path at 1, 32, 64 tokens: 8- and 16-row tiles,
+    and 32 forced) and prefill, the experts must lower for CUDA to exactly two Mosaic GPU kernels
+    (gate/up and down; no jnp fallback). Their values are checked against the references in
+    interpret mode above."""
     f = jax.ShapeDtypeStruct
     Et, kt, Ht, It = 64, 8, 2048, 512
-    fn = jax.jit(lambda x, w, i, g, d: moe.moe_experts(x, w, i, g, d, gather_below=0))
+    fn = jax.jit(lambda x, w, i, g, d: moe.moe_experts(x, w, i, g, d, **kw))
     text = fn.trace(f((n, Ht), jnp.bfloat16), f((n, kt), jnp.float32), f((n, kt), jnp.int32),
                     f((Et, Ht, 2 * It), jnp.bfloat16), f((Et, It, Ht), jnp.bfloat16)).lower(
         lowering_platforms=("cuda",)).as_text()
