@@ -30,7 +30,8 @@ def token_segments(cu_seqlens: jnp.ndarray, num_tokens: int) -> tuple[jnp.ndarra
     """
     num_seqs = cu_seqlens.shape[0] - 1
     t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = (jnp.searchsorted(cu_seqlens, t, side="right") - 1).astype(jnp.int32)
+    # compare_all: one fused compare-and-count; the default method is a loop of tiny GPU kernels
+    seq = (jnp.searchsorted(cu_seqlens, t, side="right", method="compare_all") - 1).astype(jnp.int32)
     seq = jnp.minimum(seq, num_seqs)
     local = t - cu_seqlens[jnp.minimum(seq, num_seqs - 1)]
     return seq, local.astype(jnp.int32)

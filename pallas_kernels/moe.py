@@ -203,14 +203,42 @@ def padded_layout(group_sizes: jax.Array, num_rows: int, block_m: int = BLOCK_M)
     tiles_per = (gs + block_m - 1) // block_m
     tile_end = jnp.cumsum(tiles_per)
     tile_start = tile_end - tiles_per
-    expert = jnp.searchsorted(tile_end, jnp.arange(nt, dtype=jnp.int32), side="right")
+    # compare_all: one fused compare-and-count; the default method is a loop of tiny GPU kernels
+    expert = jnp.searchsorted(tile_end, jnp.arange(nt, dtype=jnp.int32), side="right", method="compare_all")
     tiles = jnp.concatenate([jnp.minimum(expert, E - 1), tile_end[-1:]]).astype(jnp.int32)
     row_end = jnp.cumsum(gs)
     j = jnp.arange(num_rows, dtype=jnp.int32)
-    e = jnp.searchsorted(row_end, j, side="right")
+    e = jnp.searchsorted(row_end, j, side="right", method="compare_all")
     ec = jnp.minimum(e, E - 1)
     pos = tile_start[ec] * block_m + j - (row_end[ec] - gs[ec])
     return Layout(tiles, jnp.where(e < E, pos, nt * block_m).astype(jnp.int32), block_m)
+
+
+COMPARE_MAX_ROWS = 1024  # pair_layout ranks up to this many routed rows by comparing every pair
+
+
+def pair_layout(flat: jax.Array, num_experts: int, block_m: int = BLOCK_M) -> tuple[Layout, jax.Array]:
+    """The padded layout of the routed rows ``flat [M]`` (pair ``t * k + s``'s expert id) in
+    ``block_m``-row tiles, and ``pos [M]``: each pair's padded row (its expert's first row, plus the
+    pairs before it with the same expert: the stable sort's order).
+
+    Up to ``COMPARE_MAX_ROWS`` rows (decode) every pair is compared with every other and with each
+    expert id: a few fused elementwise-and-reduce kernels, where a stable argsort is a radix sort
+    of several kernels and the bincount a scatter (at batch 1 a decode step's 24 MoE layers spent
+    more time launching those than moving their bytes). Above it, the argsort."""
+    M = flat.shape[0]
+    ids = jnp.arange(num_experts, dtype=jnp.int32)
+    if M > COMPARE_MAX_ROWS:
+        order = jnp.argsort(flat, stable=True)
+        lay = padded_layout(jnp.bincount(flat, length=num_experts).astype(jnp.int32), M, block_m)
+        return lay, jnp.zeros((M,), jnp.int32).at[order].set(lay.pos, unique_indices=True)
+    group_sizes = jnp.sum(flat[:, None] == ids[None, :], axis=0, dtype=jnp.int32)
+    lay = padded_layout(group_sizes, M, block_m)
+    j = jnp.arange(M, dtype=jnp.int32)
+    rank = jnp.sum((flat[:, None] == flat[None, :]) & (j[None, :] < j[:, None]), axis=1, dtype=jnp.int32)
+    tiles_per = (group_sizes + block_m - 1) // block_m
+    tile_start = jnp.cumsum(tiles_per) - tiles_per
+    return lay, (tile_start[flat] * block_m + rank).astype(jnp.int32)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -585,10 +613,7 @@ def moe_experts(xt, top_w, top_i, gate_up, down, *, gather_below=None, small_max
     if M < (gather_below if gather_below is not None else 0 if small else E):
         return moe_experts_gather(xt, top_w, top_i, gate_up, down)
     R = (block_rows or small_block_rows(M, E)) if small else BLOCK_M
-    flat = top_i.reshape(-1).astype(jnp.int32)
-    order = jnp.argsort(flat, stable=True)
-    lay = padded_layout(jnp.bincount(flat, length=E).astype(jnp.int32), M, R)
-    pos = jnp.zeros((M,), jnp.int32).at[order].set(lay.pos, unique_indices=True)  # padded row of pair t*k+s
+    lay, pos = pair_layout(top_i.reshape(-1).astype(jnp.int32), E, R)  # pos: the padded row of pair t*k+s
     src = jnp.full((lay.num_rows,), n, jnp.int32).at[pos].set(jnp.arange(M, dtype=jnp.int32) // k,
                                                               unique_indices=True)
     xp = jnp.concatenate([xt, jnp.zeros((1, H), xt.dtype)])[src]  # padding rows: the zero row

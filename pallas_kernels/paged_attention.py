@@ -234,7 +234,7 @@ def _tiles(r, T, tq, decode):
     starts = ends - per_row
     n_tiles = -(-T // tq) + B
     i = jnp.arange(n_tiles, dtype=jnp.int32)
-    trow = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)
+    trow = jnp.searchsorted(ends, i, side="right", method="compare_all").astype(jnp.int32)  # one fusion, not a loop
     valid = trow < B
     trow_c = jnp.minimum(trow, B - 1)
     t0 = cu[trow_c] + (i - starts[trow_c]) * tq

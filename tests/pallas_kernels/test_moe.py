@@ -92,6 +92,21 @@ def test_grouped_matmul_bf16():
 
 
 @SETTINGS
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=40), st.sampled_from([8, 64]))
+def test_pair_layout_by_comparison_is_the_stable_sort(flat, block_m):
+    """The decode-size ``pair_layout`` (every pair compared, no sort) places each pair where the
+    stable argsort into ``padded_layout`` does, with the same tiles."""
+    ids = jnp.asarray(flat, jnp.int32)
+    lay, pos = moe.pair_layout(ids, 6, block_m)
+    order = np.argsort(np.asarray(flat), kind="stable")
+    ref = moe.padded_layout(jnp.asarray(np.bincount(flat, minlength=6), jnp.int32), len(flat), block_m)
+    want = np.zeros(len(flat), np.int32)
+    want[order] = np.asarray(ref.pos)
+    np.testing.assert_array_equal(np.asarray(pos), want)
+    np.testing.assert_array_equal(np.asarray(lay.tiles), np.asarray(ref.tiles))
+
+
+@SETTINGS
 @given(group_sizes(rows=100, experts=4))
 def test_padded_layout_invariants(case):
     """Every tile holds one expert's rows; a group starts on a tile; used tiles within the bound."""
