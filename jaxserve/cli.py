@@ -208,7 +208,7 @@ def _serve(args: argparse.Namespace) -> int:
         ("allow_image_urls", image_limits.allow_urls), ("max_images_per_request", image_limits.max_images),
         ("image_fetch_timeout", image_limits.fetch_timeout)]))
     t0 = time.perf_counter()
-    log(f"loading {eargs.model}, then compiling every step program ...")
+    log(f"loading {eargs.model} and compiling every step program ...")
     engine = build_engine(eargs)  # compile_all: every program the server can run exists after this
     with _leading(engine, spec is not None):
         return _serve_engine(args, eargs, engine, sock, limits, image_limits, name, t0)
