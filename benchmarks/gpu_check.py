@@ -537,6 +537,7 @@ def conv1d_checks(interpret=False):
 # experts top-8, expert intermediate 512, bf16.
 # ------------------------------------------------------------------------------------------------
 
+SMALL_ON = 1 << 30  # small_max_rows of the moe_small* variants: their path whatever SMALL_PATH_ON says
 MOE_MODEL = dict(E=64, k=8, H=2048, I=512)
 # (tokens, routing): decode 1 / 8 / 32 tokens, prefill 512 / 4096; "skewed" routes most rows to a
 # few experts and none to a quarter of them (empty groups, groups of many tiles).
@@ -550,9 +551,10 @@ MOE_CASES = [(1, "random"), (8, "random"), (32, "random"), (32, "skewed"), (512,
 # a transposed SMEM view is wrong or slow on the GPU); and the gather path (decode sizes only: it materialises n * k experts' weights).
 MOE_VARIANTS = {"moe_s4": dict(gather_below=0, small_max_rows=0),
                 "moe_s2": dict(gather_below=0, small_max_rows=0, stages=2),
-                "moe_small": dict(gather_below=0), "moe_small_s2": dict(gather_below=0, stages=2),
-                "moe_small_r16": dict(gather_below=0, block_rows=16),
-                "moe_small_tr": dict(gather_below=0, small_transposed_out=True),
+                "moe_small": dict(gather_below=0, small_max_rows=SMALL_ON),
+                "moe_small_s2": dict(gather_below=0, small_max_rows=SMALL_ON, stages=2),
+                "moe_small_r16": dict(gather_below=0, small_max_rows=SMALL_ON, block_rows=16),
+                "moe_small_tr": dict(gather_below=0, small_max_rows=SMALL_ON, small_transposed_out=True),
                 "moe_gather": None}
 MOE_GATHER_MAX_TOKENS = 32
 MOE_SMALL_MAX_TOKENS = 64  # moe.SMALL_MAX_ROWS (512) routed rows of top-8: the small variants' range

@@ -1150,6 +1150,7 @@ def run_conv1d_fla(case):
 # MoE routed experts (pallas_kernels/moe.py): grouped GEMM kernel vs lax.ragged_dot vs the gather path
 # ------------------------------------------------------------------------------------------------
 
+SMALL_ON = 1 << 30  # small_max_rows of the moe_small* variants: their path whatever SMALL_PATH_ON says
 # The target layer: hidden 2048, 64 experts top-8, expert intermediate 512, bf16: gate_up [64, 2048,
 # 1024] and down [64, 512, 2048], 384 MiB a layer. A case is n tokens routed uniformly at random
 # (k distinct experts each, weights summing to 1), fresh routing at every step of a chain, the steps
@@ -1170,9 +1171,10 @@ MOE_SMALL_MAX_TOKENS = 64  # moe.SMALL_MAX_ROWS (512) routed rows of top-8
 MOE_BALANCE = 230  # FLOP per byte where the H200's bf16 rate (~990 TFLOP/s) meets its copy bandwidth (~4.3 TB/s)
 MOE_VARIANTS_TIMED = {"moe_s4": dict(gather_below=0, small_max_rows=0),
                       "moe_s2": dict(gather_below=0, small_max_rows=0, stages=2),
-                      "moe_small": dict(gather_below=0), "moe_small_s2": dict(gather_below=0, stages=2),
-                      "moe_small_r16": dict(gather_below=0, block_rows=16),
-                      "moe_small_tr": dict(gather_below=0, small_transposed_out=True), "moe_gather": None}
+                      "moe_small": dict(gather_below=0, small_max_rows=SMALL_ON),
+                      "moe_small_s2": dict(gather_below=0, small_max_rows=SMALL_ON, stages=2),
+                      "moe_small_r16": dict(gather_below=0, small_max_rows=SMALL_ON, block_rows=16),
+                      "moe_small_tr": dict(gather_below=0, small_max_rows=SMALL_ON, small_transposed_out=True), "moe_gather": None}
 if os.environ.get("KERNELS_SMOKE"):
     MOE_BENCH_MODEL = dict(MOE_BENCH_MODEL, E=8, k=2, H=64, I=64)
     MOE_TOKENS, MOE_GATHER_MAX_TOKENS = (1, 40), 1

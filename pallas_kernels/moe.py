@@ -73,7 +73,7 @@ Swap-AB makes the WEIGHTS the WGMMA M operand and the tokens its N operand:
 * SMEM per program (``small_smem_bytes``, bf16, ``block_k`` 64): ``(stages * (R + nw * 64) *
   block_k + 64 R) * 2 + 4 max(R, 32)`` bytes (``nw`` = 2 fused, else 1): fused 69 / 74 / 84 KiB at
   R = 8 / 16 / 32 and 4 stages (three programs per SM), down 37 KiB at R = 8.
-* ``moe_experts`` takes it at ``n * k <= SMALL_MAX_ROWS`` (512: 64 tokens of top-8) where it tiles
+* ``moe_experts`` takes it (once ``SMALL_PATH_ON``: see Status) at ``n * k <= SMALL_MAX_ROWS`` (512: 64 tokens of top-8) where it tiles
   (``small_supports``: H and I multiples of 64); above, the 64-row kernel, whose 64-row tiles are
   full enough there.
 
@@ -105,7 +105,7 @@ Status: the 64-row kernel and the gather path: correct in Mosaic GPU's interpret
 (tests/pallas_kernels/test_moe.py) and on an H100 (``benchmarks/gpu_check.py --suites moe``: 15 /
 15, 1 to 4096 tokens); in ``jaxserve.models.backends.AUTO_ON_GPU``. The small path: interpret-mode
 tested (and lowered for sm_90 at the target shapes), GPU check pending (gpu_check variants
-``moe_small*``). Timings: ``benchmarks/kernels.py --only moe``, benchmarks/RESULTS.md "MoE
+``moe_small*``), so off by default (``SMALL_PATH_ON``). Timings: ``benchmarks/kernels.py --only moe``, benchmarks/RESULTS.md "MoE
 experts".
 """
 
@@ -387,7 +387,10 @@ def grouped_matmul(xs, w, group_sizes, *, block_n=None, block_k=None, stages=4, 
 # ------------------------------------------------------------------------------------------------
 
 BLOCK_W = 64  # weight output columns per program: the WGMMA M of the swap-AB kernel
-SMALL_MAX_ROWS = 512  # moe_experts takes the small path up to this many routed rows (64 tokens of top-8)
+SMALL_MAX_ROWS = 512  # the small path's reach: up to this many routed rows (64 tokens of top-8)
+# Whether moe_experts takes the small path by default (small_max_rows=None). Off until its GPU check
+# passes (Status in the module docstring): a kernel enters the serving path only after that.
+SMALL_PATH_ON = False
 SMALL_BLOCK_ROWS = (8, 16, 32)  # row tiles of the small path (WGMMA N: a multiple of 8)
 
 
@@ -585,7 +588,7 @@ def moe_experts_gather(xt, top_w, top_i, gate_up, down):
 
 @functools.partial(jax.jit, static_argnames=("gather_below", "small_max_rows", "block_rows", "small_transposed_out",
                                              "stages", "interpret"))
-def moe_experts(xt, top_w, top_i, gate_up, down, *, gather_below=None, small_max_rows=SMALL_MAX_ROWS, block_rows=None,
+def moe_experts(xt, top_w, top_i, gate_up, down, *, gather_below=None, small_max_rows=None, block_rows=None,
                 small_transposed_out=False, stages=4, interpret=False):
     """The routed experts of ``layers.moe`` (everything but the router and the shared expert).
 
@@ -596,7 +599,7 @@ def moe_experts(xt, top_w, top_i, gate_up, down, *, gather_below=None, small_max
     (``padded_layout``), run the fused gate/up kernel and the down kernel (its epilogue scales each
     row by its routing weight), and sum each token's ``k`` rows in fp32 (a gather: every pair
     knows its padded row). With at most ``small_max_rows`` routed rows (``n * k``; 0 turns it
-    off) and a shape it tiles (``small_supports``), the kernels are the swap-AB small path
+    off; None: ``SMALL_MAX_ROWS`` where ``SMALL_PATH_ON``, else 0) and a shape it tiles (``small_supports``), the kernels are the swap-AB small path
     (``grouped_gemm_small``, ``block_rows``-row tiles, default ``small_block_rows``); else the
     64-row grouped kernel (``grouped_gemm_padded``). With fewer than ``gather_below`` routed rows
     the gather path (``moe_experts_gather``) instead; by default only where the small path does
@@ -609,6 +612,8 @@ def moe_experts(xt, top_w, top_i, gate_up, down, *, gather_below=None, small_max
     k = top_i.shape[1]
     E = gate_up.shape[0]
     M = n * k
+    if small_max_rows is None:
+        small_max_rows = SMALL_MAX_ROWS if SMALL_PATH_ON else 0
     small = M <= small_max_rows and small_supports(H, gate_up.shape[2] // 2, xt.dtype)
     if M < (gather_below if gather_below is not None else 0 if small else E):
         return moe_experts_gather(xt, top_w, top_i, gate_up, down)

@@ -36,10 +36,10 @@ fi
 if [[ $parts == *,check,* ]]; then
   wait; echo "gpu check done at $(( $(date +%s) - start ))s"; grep -c '"ok": true' "$OUT/gpu_check.jsonl"
   grep '"ok": false' "$OUT/gpu_check.jsonl" | cut -c1-300; tail -3 "$OUT/gpu_check.log"
-  if [[ ${CHECK_SUITES:-} == *moe* ]] && ! grep -q '"variant": "moe_small' "$OUT/gpu_check.jsonl" \
-      || grep '"variant": "moe_small' "$OUT/gpu_check.jsonl" | grep -q '"ok": false'; then
-    # the MoE small path failed (or never ran) its check: the rest of this call runs without it
-    sed -i 's/^SMALL_MAX_ROWS = .*/SMALL_MAX_ROWS = 0/' pallas_kernels/moe.py; echo "moe small path OFF for this call"
+  if grep -q '"variant": "moe_small' "$OUT/gpu_check.jsonl" \
+      && ! grep '"variant": "moe_small' "$OUT/gpu_check.jsonl" | grep -q '"ok": false'; then
+    # the MoE small path (off by default until checked) passed its check: the rest of this call serves with it
+    sed -i 's/^SMALL_PATH_ON = .*/SMALL_PATH_ON = True/' pallas_kernels/moe.py; echo "moe small path ON for this call"
   fi
 fi
 if [[ $parts == *,moe,* ]]; then

@@ -36,6 +36,7 @@ E, TOP_K, H, I, N_TOK = 8, 2, 64, 64, 40
 M = N_TOK * TOP_K
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}  # bf16: the reference rounds every intermediate
 SETTINGS = settings(max_examples=5, deadline=None, database=None)
+SMALL = moe.SMALL_MAX_ROWS  # the small path on, whatever moe.SMALL_PATH_ON says
 
 
 def ref_grouped(xs, w, gs):
@@ -300,15 +301,15 @@ def test_small_path_matches_gather_and_oracle(dtype):
     for n, kind in ((1, "random"), (2, "one"), (5, "random"), (32, "random"), (32, "skewed"), (32, "one")):
         top_w, top_i = small_routing(rng, kind, n)
         args = (xt[:n], top_w, top_i, gate_up, down)
-        got = moe.moe_experts(*args, interpret=True)
+        got = moe.moe_experts(*args, small_max_rows=SMALL, interpret=True)
         assert got.dtype == jnp.float32 and got.shape == (n, H)
         what = f"small n={n} {kind} {jnp.dtype(dtype).name} R={moe.small_block_rows(n * TOP_K, E)}"
         assert_close(got, moe.moe_experts_gather(*args), TOL[jnp.float32] if dtype == jnp.float32 else 8e-3,
                      what + " vs gather")
         assert_close(got, oracle64(*args), TOL[dtype], what + " vs float64")
-    got = moe.moe_experts(*args, block_rows=32, stages=2, interpret=True)  # 32-row tiles, 2-deep ring
+    got = moe.moe_experts(*args, small_max_rows=SMALL, block_rows=32, stages=2, interpret=True)  # 32-row tiles, 2-deep ring
     assert_close(got, oracle64(*args), TOL[dtype], "small R=32")
-    got = moe.moe_experts(*args, small_transposed_out=True, interpret=True)  # transposed tiles, XLA transposes
+    got = moe.moe_experts(*args, small_max_rows=SMALL, small_transposed_out=True, interpret=True)  # transposed tiles, XLA transposes
     assert_close(got, oracle64(*args), TOL[dtype], "small transposed_out")
 
 
@@ -359,8 +360,10 @@ def test_backend_switch_and_contract():
         moe.grouped_gemm_padded(x, jnp.zeros((2, 64, 40), jnp.bfloat16), jnp.zeros(3, jnp.int32))
 
 
-@pytest.mark.parametrize("n, kw", [(1, dict(gather_below=0, small_max_rows=0)), (4096, {}), (1, {}), (32, {}),
-                                   (64, {}), (8, dict(block_rows=32)), (1, dict(small_transposed_out=True))])
+@pytest.mark.parametrize("n, kw", [(1, dict(gather_below=0, small_max_rows=0)), (4096, {}), (1, dict(small_max_rows=SMALL)),
+                                   (32, dict(small_max_rows=SMALL)), (64, dict(small_max_rows=SMALL)),
+                                   (8, dict(small_max_rows=SMALL, block_rows=32)),
+                                   (1, dict(small_max_rows=SMALL, small_transposed_out=True))])
 def test_kernels_lower_for_the_gpu(n, kw):
     """Mosaic GPU lowering (TMA boxes, swizzles, WGMMA operand layouts incl. the small path's
     MN-major A, the SMEM budget) runs without a GPU, and the interpreter does not take it: at the
