@@ -139,7 +139,7 @@ def layer_signatures(cfg: ModelConfig, layers: list | None = None) -> list:
         tree = None
         if layers is not None:
             leaves, treedef = jax.tree.flatten(layers[i])
-            tree = (treedef, tuple((tuple(jnp.shape(a)), jnp.dtype(a.dtype)) for a in leaves))
+            tree = (treedef, tuple((tuple(a.shape), jnp.dtype(a.dtype)) for a in leaves))
         sigs.append((layer_type, bool(cfg.moe_layers[i]), tree))
     return sigs
 
@@ -246,7 +246,7 @@ def _layer(p: dict, cfg: ModelConfig, i: int, j: int, x: jax.Array, r: Ragged, p
     return _layer_body(p, cfg, i, j, x, r, pools, decode)
 
 
-def _stacked_layer(period: list, cfg: ModelConfig, groups: LayerGroups, k: int, g: jax.Array, x: jax.Array,
+def _stacked_layer(period: list, cfg: ModelConfig, groups: LayerGroups, k: int, g: jax.Array, x: jax.Array, *,
                    r: Ragged, pools: Pools, decode: bool):
     """Layer ``k`` of the period in repetition ``g`` (traced) of the scan: its weights are row ``g``
     of the stacked leaves, its pool index ``layer_index`` of its first repetition plus ``g`` times
@@ -315,14 +315,21 @@ def _run_list(layers: list, first: int, cfg: ModelConfig, x, r: Ragged, pools: P
 
 
 def _run_scan(period: list, groups: LayerGroups, cfg: ModelConfig, x, r: Ragged, pools: Pools, decode: bool,
-              deep: _Deepstack | None):
+              deep: _Deepstack | None, once):
     """The scanned layers: ``groups.repeats`` iterations of the period's P layers. ``x`` and the
     pools ride in the carry (updated in place when donated); the stacked weights are closed over
-    (loop invariants, indexed per iteration by ``_stacked_layer``)."""
+    (loop invariants, indexed per iteration by ``_stacked_layer``).
+
+    A step with prefill tokens still runs each layer of the body as ``_scoped``: the scan body is
+    a computation of its own, but it holds P layers, and XLA schedules their mixers' constant
+    copies and weight relayouts side by side in it (the real-size qwen3_5_moe's 512-token step:
+    4.6 GiB of temporaries with the 4 layers inline in the body, 2.1 with each scoped, as with the
+    list layout). Decode steps run the body's layers inline (``_scoped``'s doc)."""
     def body(carry, g):
         x, pools = carry
         for k in range(groups.period):
-            x, pools = _stacked_layer(period, cfg, groups, k, g, x, r, pools, decode)
+            layer = partial(_stacked_layer, period, cfg, groups, k, g, r=r, decode=decode)
+            x, pools = layer(x, pools=pools) if decode else _scoped(layer, once, x, pools)
             if deep is not None:
                 x = deep.after(groups.prefix + g * groups.period + k, x)
         return (x, pools), None
@@ -351,7 +358,7 @@ def forward_ragged(params: dict, cfg: ModelConfig, tokens: jax.Array, r: Ragged,
     if is_stacked(params):
         grouped, groups = params["layers"], stacked_groups(params)
         x, pools = _run_list(grouped["head"], 0, cfg, x, r, pools, decode, deep, once)
-        x, pools = _run_scan(grouped["period"], groups, cfg, x, r, pools, decode, deep)
+        x, pools = _run_scan(grouped["period"], groups, cfg, x, r, pools, decode, deep, once)
         x, pools = _run_list(grouped["tail"], groups.tail_start, cfg, x, r, pools, decode, deep, once)
     else:
         x, pools = _run_list(params["layers"], 0, cfg, x, r, pools, decode, deep, once)
