@@ -30,8 +30,12 @@ Params come in two layouts, and ``forward_ragged`` runs either with the same num
   structurally identical consecutive layers (the hybrids' [GDN, GDN, GDN, attention]; P = 1 for
   an all-attention model), and a ``tail``. ``params["layers"]`` is then ``{"head": [...],
   "period": [P trees whose leaves have a leading axis of n], "tail": [...]}``, and the period runs
-  as one ``lax.scan`` of n iterations: the program holds each distinct layer body once, so lowering
-  and compiling do not grow with depth, and the trip count is known (no host-read predicate).
+  as one ``lax.scan`` of n iterations (a known trip count): the program holds each distinct layer
+  body once, so lowering and compiling do not grow with depth. Inside the body a decode step runs
+  the P layers inline (no loop with a host-read predicate left in it); a step with prefill tokens
+  still gives each of them its own ``_scoped`` loop (``_run_scan`` says why). Iteration g reads row
+  g of each stacked weight (``_stacked_layer``): a dynamic slice, which XLA on the CPU lays out
+  apart before a dot reads it (one layer's weights at a time, not the model's).
 """
 
 from __future__ import annotations
