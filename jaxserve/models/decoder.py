@@ -212,6 +212,12 @@ def stack_deleting(leaves: list[jax.Array]) -> jax.Array:
     return out
 
 
+def stack_structs(leaves: list) -> jax.ShapeDtypeStruct:
+    """``stack`` for ``stack_layers`` over ``jax.ShapeDtypeStruct`` params (``params.abstract_params``):
+    the stacked leaf's struct, for compiling step programs of a model too large to hold."""
+    return jax.ShapeDtypeStruct((len(leaves), *leaves[0].shape), leaves[0].dtype)
+
+
 def stacked_groups(params: dict) -> LayerGroups:
     """The ``LayerGroups`` a stacked ``params`` was made with (read from its shapes)."""
     grouped = params["layers"]

@@ -67,8 +67,7 @@ def prefill_temp(cfg: ModelConfig, max_model_len: int = 4096, decode: bool = Fal
                (T, buckets.rows_for(T), buckets.snapshot_sizes(T, False)[-1], False))
     params = abstract_params(cfg, dtype)
     if stacked:
-        params = decoder.stack_layers(cfg, params, lambda leaves: jax.ShapeDtypeStruct((len(leaves), *leaves[0].shape),
-                                                                                       leaves[0].dtype))
+        params = decoder.stack_layers(cfg, params, decoder.stack_structs)
     mem = startup.StepCompiler(params, cfg, buckets).compile(
         program, startup.pool_structs(cfg, dtype, plan))
     return mem.temp_bytes
