@@ -232,3 +232,20 @@ def test_decode_program_holds_each_layer_body_once(model):
     for pool in pools:
         shape = ",".join(map(str, pool.shape))
         assert not re.search(rf"= f32\[{shape}\]\{{[^}}]*\}} copy\(", stacked_text), f"a copy of a {pool.shape} pool"
+
+
+def test_kernels_take_the_traced_layer(tmp_path):
+    """The Mosaic GPU kernels (interpreted: GDN chunked prefill and decode, conv1d, paged attention)
+    index the pools with the scan's traced layer: the stacked layout gives the list layout's numbers."""
+    from tests.engine.test_runner import KERNEL_CONFIG
+
+    raw = {**KERNEL_CONFIG, "num_hidden_layers": 4, "layer_types": [G, A] * 2}
+    m = load_model(write_random_checkpoint(raw, tmp_path, dtype="float32", seed=5, init_std=0.2), dtype="float32",
+                   progress=False)
+    cfg = dataclasses.replace(m.config, kernels="pallas-interpret")
+    stacked = decoder.stack_layers(cfg, m.params)
+    assert decoder.stacked_groups(stacked) == LayerGroups(0, 2, 2)
+    for (logits, pools), (ref_logits, ref_pools) in zip(_schedule(stacked, cfg), _schedule(m.params, cfg)):
+        _close(logits, ref_logits, "logits")
+        for name, ours, theirs in zip(pools._fields, pools, ref_pools):
+            _close(ours, theirs, name)
