@@ -87,6 +87,8 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=None, help="linear-state slots (default 2 * max_seqs + 1)")
     ap.add_argument("--tokens", default=None, help="only these token buckets, comma-separated (default all)")
     ap.add_argument("--kinds", default="prefill,decode", help="prefill (mixed) and/or decode programs")
+    ap.add_argument("--layout", choices=("stacked", "list"), default="stacked",
+                    help="params layout: stacked (the engine's; the repeating layers run as one scan) or list")
     ap.add_argument("--buffers", type=int, default=0, help="print the K largest allocations of the largest program")
     ap.add_argument("--label", default="", help="a name for this run in the JSON (e.g. before / after)")
     ap.add_argument("--note", default="", help="a line saying what code this run measured")
@@ -118,6 +120,9 @@ def main() -> None:
                       num_pages=args.kv_tokens // args.page_size + 1, num_slots=slots)
     pools = startup.pool_structs(cfg, dtype, plan)
     params = abstract_params(cfg, dtype)
+    if args.layout == "stacked":  # as the engine loads a model (jaxserve.models.decoder's module doc)
+        from jaxserve.models import decoder
+        params = decoder.stack_layers(cfg, params, decoder.stack_structs)
     compiler = startup.StepCompiler(params, cfg, buckets)
 
     kinds = set(args.kinds.split(","))

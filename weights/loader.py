@@ -415,12 +415,20 @@ def check_checkpoint(path: str | Path) -> ModelConfig:
     return cfg
 
 
-def load_model(path: str | Path, dtype: Any = "float32", progress: bool = True, tensor_parallel=None) -> LoadedModel:
+def load_model(path: str | Path, dtype: Any = "float32", progress: bool = True, tensor_parallel=None,
+               stacked: bool = False) -> LoadedModel:
     """Load config.json and the weights of a checkpoint folder; params are device arrays of ``dtype``
     ("float32", "bfloat16", "float16" or the matching jnp/numpy dtype) on JAX's default device, or,
     with ``tensor_parallel`` (``jaxserve.parallel.tensor.TensorParallel``), split over its mesh; the
-    config is then the one the split model runs (``TensorParallel.configure``)."""
+    config is then the one the split model runs (``TensorParallel.configure``).
+
+    ``stacked``: the params in the decoder's stacked layout (``decoder.stack_layers``; the serving
+    engine's), else the list layout. On one device the layers are stacked leaf by leaf on the
+    device, each source deleted once its stack exists (``decoder.stack_deleting``: at most one
+    stacked leaf beside the model); under tensor parallelism on the host, before placement."""
     import jax
+
+    from jaxserve.models import decoder
 
     folder = Path(path)
     if not folder.is_dir():
@@ -431,8 +439,12 @@ def load_model(path: str | Path, dtype: Any = "float32", progress: bool = True, 
     with _progress_bar(sum(s.nbytes for s in sources.values()), progress, folder) as bar:
         if tensor_parallel is None:
             params = build_params(cfg, _LazyTensors(sources, target, bar), lambda a: jax.device_put(np.asarray(a, target)))
+            if stacked:
+                params = decoder.stack_layers(cfg, params, decoder.stack_deleting)
         else:  # host arrays first: the split layout is made on the host, then each device gets its share
             host = build_params(cfg, _LazyTensors(sources, target, bar), lambda a: np.asarray(a, target))
+            if stacked:
+                host = decoder.stack_layers(cfg, host, np.stack)
             split_cfg = tensor_parallel.configure(cfg)
             params = tensor_parallel.place(split_cfg, host, kv_heads=cfg.num_kv_heads)
             cfg = split_cfg

@@ -37,7 +37,7 @@ from jaxserve.engine.pools import MiB, device_budget, init_pools
 from jaxserve.engine.runner import Batch, Buckets, DeviceExecutor, Placement, warmup
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.models import backends
+from jaxserve.models import backends, decoder
 from jaxserve.models.gated_deltanet import use_conv_kernel, use_decode_kernel, use_prefill_kernel
 from jaxserve.models.layers import use_attention_kernel
 from jaxserve.models.params import abstract_params
@@ -208,7 +208,7 @@ def _load_in_background(args: EngineArgs, tp: TensorParallel | None):
     if cfg.vision is not None:
         return None
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-load")
-    load = pool.submit(load_model, args.model, dtype=args.dtype, progress=args.progress)
+    load = pool.submit(load_model, args.model, dtype=args.dtype, progress=args.progress, stacked=True)
     pool.shutdown(wait=False)
     return dataclasses.replace(cfg, kernels=args.kernels), load
 
@@ -226,12 +226,13 @@ def build_engine(args: EngineArgs) -> Engine:
     dtype = jnp.dtype(args.dtype)
     loading = _load_in_background(args, tp)
     if loading is None:
-        model = load_model(args.model, dtype=args.dtype, progress=args.progress, tensor_parallel=tp)
+        # stacked: the step scans the repeating layers (decoder module doc), its compile does not grow with depth
+        model = load_model(args.model, dtype=args.dtype, progress=args.progress, tensor_parallel=tp, stacked=True)
         cfg, params = dataclasses.replace(model.config, kernels=args.kernels if tp is None else model.config.kernels), model.params
         loaded = lambda: params  # noqa: E731
     else:  # compile against the weights' shapes while the weights load
         cfg, load = loading
-        params = abstract_params(cfg, dtype)
+        params = decoder.stack_layers(cfg, abstract_params(cfg, dtype), decoder.stack_structs)
         loaded = lambda: load.result().params  # noqa: E731
     tokenizer = Tokenizer.from_dir(args.model)
     # "pallas" on shapes a kernel cannot take: one clear error now, not a trace-time one at warm-up

@@ -181,14 +181,19 @@ class TensorParallel:
         return P(), x
 
     def place(self, cfg: ModelConfig, params: dict, kv_heads: int | None = None) -> dict:
-        """Put a host pytree (``build_params`` with numpy leaves, in the checkpoint's layout) on the
-        mesh leaf by leaf. ``cfg`` is ``configure``'s; ``kv_heads`` the checkpoint's KV head count
+        """Put a host pytree (``build_params`` with numpy leaves, in the checkpoint's layout; the
+        list or the stacked layout of ``decoder.stack_layers``, whose stacked leaves keep their
+        leading layer axis whole on every device) on the mesh leaf by leaf. ``cfg`` is ``configure``'s; ``kv_heads`` the checkpoint's KV head count
         when ``configure`` replicated them."""
         kv_from = kv_heads or cfg.num_kv_heads
 
         def put(path, x):
             keys = tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-            spec, x = self._rule(cfg, keys, np.asarray(x), kv_from)
+            if keys[:2] == ("layers", "period"):  # stacked [n, ...]: each layer's rule, the leading axis unsplit
+                ruled = [self._rule(cfg, keys, row, kv_from) for row in np.asarray(x)]
+                spec, x = P(None, *ruled[0][0]), np.stack([row for _, row in ruled])
+            else:
+                spec, x = self._rule(cfg, keys, np.asarray(x), kv_from)
             return jax.device_put(x, NamedSharding(self.mesh, spec))
 
         return jax.tree_util.tree_map_with_path(put, params)

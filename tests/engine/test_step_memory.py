@@ -19,13 +19,14 @@ and reads ``Compiled.memory_analysis()``. Three ways the step used to grow, each
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import pytest
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine import runner, startup
 from jaxserve.engine.pools import plan_pools
-from jaxserve.models import layers
+from jaxserve.models import decoder, layers
 from jaxserve.models.params import abstract_params
 
 MiB = 1 << 20
@@ -54,16 +55,20 @@ def config(num_layers: int = 4, experts: int = 64) -> ModelConfig:
     return ModelConfig.from_hf(raw, source="test_step_memory")
 
 
-def prefill_temp(cfg: ModelConfig, max_model_len: int = 4096, decode: bool = False) -> int:
+def prefill_temp(cfg: ModelConfig, max_model_len: int = 4096, decode: bool = False, stacked: bool = False) -> int:
     """XLA's temporaries of the T-token prefill step program (``decode``: the MAX_SEQS-row decode
-    step's), fp32, compiled as start-up does."""
+    step's), fp32, compiled as start-up does; ``stacked``: with the params in the decoder's stacked
+    layout (the engine's), whose repeating layers run as one scan."""
     dtype = jnp.float32
     buckets = runner.Buckets.for_limits(max_prefill_tokens=T, max_seqs=MAX_SEQS, max_model_len=max_model_len,
                                         page_size=PAGE_SIZE)
     plan = plan_pools(cfg, dtype, page_size=PAGE_SIZE, max_seqs=MAX_SEQS, num_pages=1024, num_slots=2 * MAX_SEQS + 1)
     program = ((MAX_SEQS, MAX_SEQS, buckets.snapshot_sizes(MAX_SEQS, True)[-1], True) if decode else
                (T, buckets.rows_for(T), buckets.snapshot_sizes(T, False)[-1], False))
-    mem = startup.StepCompiler(abstract_params(cfg, dtype), cfg, buckets).compile(
+    params = abstract_params(cfg, dtype)
+    if stacked:
+        params = decoder.stack_layers(cfg, params, decoder.stack_structs)
+    mem = startup.StepCompiler(params, cfg, buckets).compile(
         program, startup.pool_structs(cfg, dtype, plan))
     return mem.temp_bytes
 
@@ -96,6 +101,19 @@ def test_decode_temporaries_do_not_grow_with_depth():
     old one kept every layer's relaid-out expert weights at once, +24 MiB from 4 to 8 layers here."""
     base, deeper = (prefill_temp(config(num_layers=n), decode=True) for n in (4, 8))
     assert deeper <= 1.05 * base, f"8 layers: {deeper / MiB:.1f} MiB of temporaries, 4 layers: {base / MiB:.1f} MiB"
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_stacked_temporaries_do_not_grow_with_depth(small_blocks, decode):
+    """The stacked layout's scan: 3 repetitions of the period need what 2 do, and 2 need at most a
+    layer's weights more than the list layout's 4 layers (each iteration reads one layer's row of
+    the stacked weights, which XLA may lay out apart: a dynamic slice)."""
+    two, three = (prefill_temp(config(num_layers=n), decode=decode, stacked=True) for n in (8, 12))
+    assert three <= 1.05 * two, f"12 layers: {three / MiB:.1f} MiB of temporaries, 8 layers: {two / MiB:.1f} MiB"
+    cfg = config()
+    one_layer = sum(x.size * 4 for x in jax.tree.leaves(abstract_params(cfg, jnp.float32)["layers"][0]))
+    listed = prefill_temp(cfg, decode=decode)
+    assert two <= 1.05 * listed + one_layer, f"stacked: {two / MiB:.1f} MiB, list: {listed / MiB:.1f} MiB"
 
 
 def test_temporaries_do_not_grow_with_the_page_table(base):

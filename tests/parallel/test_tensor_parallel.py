@@ -74,9 +74,10 @@ def checkpoints(tmp_path_factory):
             for i, (name, (hf, _)) in enumerate(FAMILIES.items())}
 
 
-def _schedule(folder, tp: TensorParallel | None):
-    """The module doc's three steps; returns (cfg, params, per-step logits of the real rows, pools)."""
-    model = load_model(folder, dtype="float32", progress=False, tensor_parallel=tp)
+def _schedule(folder, tp: TensorParallel | None, stacked: bool = False):
+    """The module doc's three steps; returns (cfg, params, per-step logits of the real rows, pools).
+    ``stacked``: the params in the decoder's stacked layout (the engine's)."""
+    model = load_model(folder, dtype="float32", progress=False, tensor_parallel=tp, stacked=stacked)
     cfg = model.config if tp else dataclasses.replace(model.config, kernels="jnp")
     plan = pool_mod.plan_pools(cfg, jnp.float32, page_size=PAGE, max_seqs=4, num_pages=24, num_slots=8)
     placement = None if tp is None else runner.Placement(model.params, tp.pool_shardings(cfg))
@@ -149,6 +150,34 @@ def test_logits_equal_one_device(family, n):
     assert params["embed"].sharding.is_fully_replicated
     if "lm_head" in params:
         assert per_device(params["lm_head"], 1)
+
+
+# [GDN, attention] x 2: a period of 2 layers scanned twice in the stacked layout
+DEEP = {**FAMILIES["qwen3_5_moe"][0], "num_hidden_layers": 4, "layer_types": ["linear_attention", "full_attention"] * 2}
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_stacked_layout_split(tmp_path, ep):
+    """The stacked params (``decoder.stack_layers``, as the engine loads them) split over 2 devices
+    give one device's list-layout logits; each stacked leaf keeps its leading layer axis whole and
+    splits the axis its layer's rule splits."""
+    from jaxserve.models import decoder
+
+    folder = write_random_checkpoint({**DEEP, "norm_topk_prob": True}, tmp_path / "deep", dtype="float32", seed=7,
+                                     init_std=0.2)
+    _, _, ref, _ = _schedule(folder, None)
+    cfg, params, got, _ = _schedule(folder, TensorParallel.make(2, expert_parallel=ep), stacked=True)
+    assert decoder.is_stacked(params) and decoder.stacked_groups(params) == decoder.LayerGroups(0, 2, 2)
+    for ours, theirs in zip(got, ref):
+        assert np.max(np.abs(ours - theirs)) <= REL_TOL * np.max(np.abs(theirs))
+    gdn, attn = params["layers"]["period"]
+    qkv = gdn["linear_attn"]["in_proj_qkv"]["w"]
+    assert qkv.shape[0] == 2 and qkv.sharding.spec == jax.sharding.PartitionSpec(None, None, "tp")
+    assert qkv.addressable_shards[0].data.shape == (2, qkv.shape[1], qkv.shape[2] // 2)
+    assert attn["self_attn"]["o_proj"]["w"].sharding.spec == jax.sharding.PartitionSpec(None, "tp")
+    gate_up = attn["mlp"]["gate_up"]
+    assert gate_up.sharding.spec == (jax.sharding.PartitionSpec(None, "tp") if ep
+                                     else jax.sharding.PartitionSpec(None, None, None, "tp"))
 
 
 def test_ahead_of_time_compile_is_the_step_program(checkpoints):
