@@ -200,7 +200,7 @@ def _serve(args: argparse.Namespace) -> int:
         ("api_key", "set" if args.api_key else "none"), ("dtype", eargs.dtype), ("page_size", eargs.page_size),
         ("max_prefill_length", eargs.max_prefill_length), ("max_running_requests", eargs.max_running_requests),
         ("max_model_len", eargs.max_model_len), ("num_pages", eargs.num_pages), ("num_slots", eargs.num_slots),
-        ("policy", eargs.policy), ("kernels", eargs.kernels), ("tensor_parallel_size", eargs.tensor_parallel_size),
+        ("policy", eargs.policy), ("kernels", eargs.kernels), ("scan_layers", eargs.scan_layers), ("tensor_parallel_size", eargs.tensor_parallel_size),
         ("expert_parallel", eargs.expert_parallel), ("debug_snapshot_checksums", eargs.debug_snapshot_checksums),
         ("mem_fraction", eargs.mem_fraction), ("compile_cache", eargs.compile_cache),
         ("compile_workers", eargs.compile_workers or "auto"), ("max_body_bytes", args.max_body_bytes or "default"),

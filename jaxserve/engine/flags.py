@@ -37,6 +37,7 @@ def engine_args(args: argparse.Namespace, progress: bool):
         model=args.model or str(DEFAULT_MODEL_DIR), dtype=args.dtype, page_size=args.page_size,
         max_prefill_length=args.max_prefill_length, max_running_requests=args.max_running_requests,
         num_pages=args.num_pages, num_slots=args.num_slots, policy=args.policy, kernels=args.kernels,
+        scan_layers=args.scan_layers,
         overlap_schedule=not args.disable_overlap_schedule, mem_fraction=args.mem_fraction,
         compile_all=args.command == "serve", compile_workers=args.compile_workers,
         compile_cache=False if args.no_compile_cache else (args.compile_cache or True),
@@ -77,6 +78,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "paged_attention, conv1d, moe, prefill_fused (the fused whole-chunk GDN / KDA prefill, "
                         "unverified on a GPU; instead of gdn_prefill), e.g. prefill_fused,gdn_decode "
                         "(default: %(default)s)")
+    p.add_argument("--scan-layers", action="store_true",
+                   help="run the repeating layers as one scan over stacked weights: step programs compile "
+                        "2.4-4x faster (measured on a CPU); GPU step time not yet measured against the default")
     p.add_argument("--mem-fraction", type=float, default=d["mem_fraction"], metavar="F",
                    help="share of the device's memory for params, pools and the largest step's temporaries "
                         "(measured at start-up); ignored on a CPU (default: %(default)s)")

@@ -113,3 +113,24 @@ def test_sampling_is_seeded_per_request_and_top_k_1_is_greedy(llm):
     alone = engine.generate([p], hot(1))[0]
     assert alone.output_ids == a.output_ids
     assert_pools_free_after_flush(engine)
+
+
+def test_scan_layers_serves_as_the_unrolled_layers(oracle_dir):
+    """``scan_layers``: the engine loads the repeating layers stacked and scans them; its greedy
+    tokens, prefix hits included, are those of the unrolled layers (``generate`` on the list layout)."""
+    from weights.loader import load_model
+
+    folder = oracle_dir / "qwen3_5_moe-moe"
+    llm = make_llm(folder, scan_layers=True)
+    assert set(llm.engine.executor.params["layers"]) == {"head", "period", "tail"}
+    unrolled = load_model(folder, dtype="float32", progress=False)
+    rng = random.Random(4)
+    base = [rng.randrange(VOCAB) for _ in range(150)]
+    prompts = [base, base[:140] + [5, 6], [rng.randrange(VOCAB) for _ in range(30)]]
+    first = llm.generate(prompts[:1], greedy(8))
+    rest = llm.generate(prompts[1:], greedy(8))
+    assert rest[0].cached_tokens == 128
+    for p, o in zip(prompts, first + rest):
+        assert o.output_ids == generate(unrolled.params, unrolled.config, p, greedy(8)).output_ids
+    assert llm.engine.snapshot_checksum_mismatches == 0
+    assert_pools_free_after_flush(llm.engine)
