@@ -171,6 +171,7 @@ def main() -> None:
     ap.add_argument("--kernels", default="auto", help="';'-separated settings of EngineArgs.kernels")
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--prefill-lens", default="", help="prompt lengths whose cold prefill step to break down first")
+    ap.add_argument("--scan-layers", action="store_true", help="the engine's stacked layout (EngineArgs.scan_layers)")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new", type=int, default=128, help="tokens generated per request")
     args = ap.parse_args()
@@ -183,9 +184,11 @@ def main() -> None:
     settings = args.kernels.split(";")
     t0 = time.time()
     engine = build_engine(EngineArgs(model=str(args.ckpt), dtype="bfloat16", max_running_requests=32,
-                                     max_prefill_length=4096, num_pages=4096, num_slots=96, kernels=settings[0]))
+                                     max_prefill_length=4096, num_pages=4096, num_slots=96, kernels=settings[0],
+                                     scan_layers=args.scan_layers))
     log(f"built in {time.time() - t0:.0f}s on {jax.devices()[0].device_kind}")
-    res = {"device": jax.devices()[0].device_kind, "settings": settings, "rows": [], "breakdown": {},
+    res = {"device": jax.devices()[0].device_kind, "settings": settings, "scan_layers": args.scan_layers,
+           "rows": [], "breakdown": {},
            "agreement": {}}
     base_cfg, tokens = engine.executor.cfg, {}
     for n in [int(x) for x in args.prefill_lens.split(",") if x]:
