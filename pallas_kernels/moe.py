@@ -586,10 +586,10 @@ def moe_experts_gather(xt, top_w, top_i, gate_up, down):
     return (y * top_w.astype(f32)[..., None]).astype(xt.dtype).astype(f32).sum(axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("gather_below", "small_max_rows", "block_rows", "small_transposed_out",
-                                             "stages", "interpret"))
-def moe_experts(xt, top_w, top_i, gate_up, down, *, gather_below=None, small_max_rows=None, block_rows=None,
-                small_transposed_out=False, stages=4, interpret=False):
+@functools.partial(jax.jit, static_argnames=("num_experts", "gather_below", "small_max_rows", "block_rows",
+                                             "small_transposed_out", "stages", "interpret"))
+def moe_experts(xt, top_w, top_i, gate_up, down, *, num_experts=None, expert_offset=None, gather_below=None,
+                small_max_rows=None, block_rows=None, small_transposed_out=False, stages=4, interpret=False):
     """The routed experts of ``layers.moe`` (everything but the router and the shared expert).
 
     ``xt [n, H]``; ``top_w [n, k]`` routing weights (used in fp32); ``top_i [n, k]`` expert ids;
@@ -607,18 +607,27 @@ def moe_experts(xt, top_w, top_i, gate_up, down, *, gather_below=None, small_max
     transposed and XLA transposes the small results (``grouped_gemm_small``'s ``transposed_out``;
     a GPU-check / timing variant). ``stages``: SMEM ring depth of both kernels; ``interpret``:
     Mosaic GPU's interpreter (CPU tests).
+
+    A stack of layers' experts: ``gate_up [G * E, H, 2I]``, ``down [G * E, I, H]`` with
+    ``num_experts`` = E (static) and ``expert_offset`` (traced int32: the layer's first row, ``g *
+    E``); ``top_i`` stays in ``[0, E)``. The kernels then read the layer's experts in place, where a
+    slice of the stack passed as an operand would be a copy of the layer's experts every call (the
+    decoder's scan over stacked layers, ``jaxserve.models.decoder``).
     """
     n, H = xt.shape
     k = top_i.shape[1]
-    E = gate_up.shape[0]
+    E = num_experts or gate_up.shape[0]
+    offset = jnp.int32(0) if expert_offset is None else jnp.asarray(expert_offset, jnp.int32)
     M = n * k
     if small_max_rows is None:
         small_max_rows = SMALL_MAX_ROWS if SMALL_PATH_ON else 0
     small = M <= small_max_rows and small_supports(H, gate_up.shape[2] // 2, xt.dtype)
     if M < (gather_below if gather_below is not None else 0 if small else E):
-        return moe_experts_gather(xt, top_w, top_i, gate_up, down)
+        return moe_experts_gather(xt, top_w, top_i + offset, gate_up, down)
     R = (block_rows or small_block_rows(M, E)) if small else BLOCK_M
     lay, pos = pair_layout(top_i.reshape(-1).astype(jnp.int32), E, R)  # pos: the padded row of pair t*k+s
+    if expert_offset is not None:  # each tile's expert as a row of the stack; the used count stays last
+        lay = lay._replace(tiles=lay.tiles.at[:-1].add(offset))
     src = jnp.full((lay.num_rows,), n, jnp.int32).at[pos].set(jnp.arange(M, dtype=jnp.int32) // k,
                                                               unique_indices=True)
     xp = jnp.concatenate([xt, jnp.zeros((1, H), xt.dtype)])[src]  # padding rows: the zero row

@@ -50,7 +50,7 @@ from jax import lax
 
 from jaxserve.config import LINEAR_ATTENTION, ModelConfig
 from jaxserve.models import gated_deltanet
-from jaxserve.models.layers import KEY_BLOCK, Ragged, attention, mlp, moe, rms_norm
+from jaxserve.models.layers import KEY_BLOCK, Ragged, attention, mlp, moe, rms_norm, use_moe_kernel
 from pallas_kernels import token_segments
 
 
@@ -270,6 +270,12 @@ def _stacked_layer(period: list, cfg: ModelConfig, groups: LayerGroups, k: int, 
     i = groups.prefix + k
     g, x = jax.lax.optimization_barrier((g, x))
     p = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, g, keepdims=False), period[k])
+    if cfg.moe_layers[i] and not cfg.expert_parallel and use_moe_kernel(cfg, x.dtype):
+        # The MoE kernel's weight operands are buffers of their own: a row of the stack would be
+        # copied out every step. It gets the whole stack ([n * E, ...], a free reshape) and the row.
+        stack = period[k]["mlp"]
+        p = {**p, "mlp": {**p["mlp"], "expert_offset": g * cfg.num_experts,
+                          **{w: stack[w].reshape(-1, *stack[w].shape[2:]) for w in ("gate_up", "down")}}}
     kinds = [t == LINEAR_ATTENTION for t in cfg.layer_types[groups.prefix:groups.prefix + groups.period]]
     j = layer_index(cfg)[i] + g * sum(kind == kinds[k] for kind in kinds)
     return _layer_body(p, cfg, i, j, x, r, pools, decode)

@@ -322,7 +322,10 @@ def moe(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     if cfg.expert_parallel:
         routed = expert_parallel(xt, top_w.astype(x.dtype), top_i, p["gate_up"], p["down"])
     elif use_moe_kernel(cfg, x.dtype):
-        routed = moe_kernel.moe_experts(xt, top_w, top_i, p["gate_up"], p["down"], interpret=backends.interpret(cfg))
+        stacked = "expert_offset" in p  # the decoder's scan: the stack of layers' experts, this layer's rows
+        routed = moe_kernel.moe_experts(xt, top_w, top_i, p["gate_up"], p["down"],
+                                        num_experts=cfg.num_experts if stacked else None,
+                                        expert_offset=p.get("expert_offset"), interpret=backends.interpret(cfg))
     else:
         routed = routed_experts_blocked(xt, top_w.astype(x.dtype), top_i, p["gate_up"], p["down"])
 

@@ -249,3 +249,34 @@ def test_kernels_take_the_traced_layer(tmp_path):
         _close(logits, ref_logits, "logits")
         for name, ours, theirs in zip(pools._fields, pools, ref_pools):
             _close(ours, theirs, name)
+
+
+def test_moe_kernel_reads_the_stack_in_place(tmp_path):
+    """Under the scan the MoE kernel gets the whole stack of the period's experts (``[n * E, ...]``)
+    and the layer's row as an offset: lowered for the GPU, every Mosaic GPU call of a mixed step's
+    program takes the stack (a row passed as an operand would be copied out every step); interpreted,
+    the numbers are the list layout's."""
+    raw = {**QWEN_MOE, "num_hidden_layers": 4, "layer_types": [G, A] * 2}
+    m = load_model(write_random_checkpoint(raw, tmp_path, dtype="float32", seed=6, init_std=0.2), dtype="float32",
+                   progress=False)
+    cfg = dataclasses.replace(m.config, kernels="interpret:moe")
+    stacked = decoder.stack_layers(cfg, m.params)
+    assert decoder.stacked_groups(stacked) == LayerGroups(0, 2, 2)
+    for (logits, pools), (ref_logits, ref_pools) in zip(_schedule(stacked, cfg), _schedule(m.params, cfg)):
+        _close(logits, ref_logits, "logits")
+        for name, ours, theirs in zip(pools._fields, pools, ref_pools):
+            _close(ours, theirs, name)
+
+    gpu_cfg = dataclasses.replace(cfg, kernels="moe")
+    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16), stacked)
+    plan = pool_mod.plan_pools(gpu_cfg, jnp.bfloat16, page_size=PAGE, max_seqs=4, num_pages=24, num_slots=8)
+    pools = jax.eval_shape(lambda: pool_mod.init_pools(plan, gpu_cfg, jnp.bfloat16))
+    T = 32  # a mixed step: 64 routed rows, the grouped kernel (a decode step of 1 row takes the gather path)
+    batch = runner.padding_batch(T, BUCKETS.rows_for(T), BUCKETS.snapshot_sizes(T, False)[-1], BUCKETS.pages_per_seq,
+                                 False)
+    text = runner._step.trace(params, gpu_cfg, pools, batch, runner.feed_buffer(BUCKETS.seqs[-1]), False, False).lower(
+        lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    assert calls and all(f"tensor<{2 * E}x{H}x{2 * I}xbf16>" in c or f"tensor<{2 * E}x{I}x{H}xbf16>" in c
+                         for c in calls), calls

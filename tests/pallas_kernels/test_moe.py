@@ -379,3 +379,21 @@ def test_kernels_lower_for_the_gpu(n, kw):
                     f((Et, Ht, 2 * It), jnp.bfloat16), f((Et, It, Ht), jnp.bfloat16)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 2
+
+
+@pytest.mark.parametrize("n, kw", [(1, dict(gather_below=E)), (5, dict(small_max_rows=SMALL)),
+                                   (N_TOK, dict(small_max_rows=0))])
+def test_stacked_experts_read_in_place(n, kw):
+    """Experts given as a stack of 3 layers' (``[3 * E, ...]``) with ``num_experts`` and a traced
+    ``expert_offset`` give the offset layer's result exactly, on the gather path, the small path
+    and the 64-row kernel (the decoder's scan passes the stack so no layer's experts are copied)."""
+    rng = np.random.default_rng(7)
+    xt, gate_up, down = expert_inputs(rng, jnp.float32)
+    top_w, top_i = routing(rng, "random", n)
+    others = [expert_inputs(rng, jnp.float32)[1:] for _ in range(2)]
+    stack_gu = jnp.concatenate([others[0][0], gate_up, others[1][0]])
+    stack_dn = jnp.concatenate([others[0][1], down, others[1][1]])
+    want = moe.moe_experts(xt[:n], top_w, top_i, gate_up, down, interpret=True, **kw)
+    got = jax.jit(lambda off: moe.moe_experts(xt[:n], top_w, top_i, stack_gu, stack_dn, num_experts=E,
+                                              expert_offset=off, interpret=True, **kw))(jnp.int32(E))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
