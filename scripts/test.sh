@@ -5,7 +5,9 @@
 # fresh-clone CI hit XLA CPU segfaults inside compiles of unrelated tests (3 runs, at different
 # tests; never reproduced in a short process). The groups are derived from the tree, so a new test
 # file or directory runs without touching this script:
-#   - every directory under tests/ that holds test files, one process each (less what runs alone);
+#   - every directory under tests/ that holds test files, one process each (less what runs alone),
+#     but those of $alone_dirs, whose every file runs in a process of its own (tests/models: the
+#     most compiles per file; its one process segfaulted in XLA's CPU compiler once it grew);
 #   - every test file directly under tests/, one process each;
 #   - every test file that runs a Mosaic GPU kernel in GPU interpret mode (`interpret=True`), alone;
 #   - each interpret-mode case of the runner (tests/engine/test_runner.py, ids `kernel-*`), alone.
@@ -40,8 +42,13 @@ if [ ${#runner_cases[@]} -eq 0 ]; then echo "test.sh: found no kernel-* case in 
 US=$'\x1f' labels=() groups=()
 add_group() { labels+=("$1"); shift; local IFS=$US; groups+=("$*"); }
 ignore=("${interpreted[@]/#/--ignore=}")
+alone_dirs=(tests/models)
 for d in $(printf '%s\n' "${test_files[@]}" | awk -F/ 'NF > 2 {print $1 "/" $2}' | sort -u); do
-  if [[ $runner == "$d"/* ]]; then
+  if [[ " ${alone_dirs[*]} " == *" $d "* ]]; then
+    for f in "${test_files[@]}"; do
+      if [ "$(dirname "$f")" = "$d" ] && [[ " ${interpreted[*]} " != *" $f "* ]]; then add_group "$f" "$f"; fi
+    done
+  elif [[ $runner == "$d"/* ]]; then
     add_group "$d (but $(basename "$runner")'s kernel-* cases)" "$d" "${ignore[@]}" -k "not (test_runner.py and kernel-)"
   else
     add_group "$d" "$d" "${ignore[@]}"
