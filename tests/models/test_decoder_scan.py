@@ -234,21 +234,29 @@ def test_decode_program_holds_each_layer_body_once(model):
         assert not re.search(rf"= f32\[{shape}\]\{{[^}}]*\}} copy\(", stacked_text), f"a copy of a {pool.shape} pool"
 
 
-def test_kernels_take_the_traced_layer(tmp_path):
-    """The Mosaic GPU kernels (interpreted: GDN chunked prefill and decode, conv1d, paged attention)
-    index the pools with the scan's traced layer: the stacked layout gives the list layout's numbers."""
-    from tests.engine.test_runner import KERNEL_CONFIG
-
-    raw = {**KERNEL_CONFIG, "num_hidden_layers": 4, "layer_types": [G, A] * 2}
-    m = load_model(write_random_checkpoint(raw, tmp_path, dtype="float32", seed=5, init_std=0.2), dtype="float32",
+def _stacked_equals_list(raw: dict, folder, seed: int, kernels: str):
+    """A random [G, A] x 2 checkpoint of ``raw`` run with ``kernels`` through ``_schedule`` stacked
+    (two repetitions of a 2-layer period) and as a list: logits and every pool agree. Returns
+    (config, stacked params)."""
+    m = load_model(write_random_checkpoint(raw, folder, dtype="float32", seed=seed, init_std=0.2), dtype="float32",
                    progress=False)
-    cfg = dataclasses.replace(m.config, kernels="pallas-interpret")
+    cfg = dataclasses.replace(m.config, kernels=kernels)
     stacked = decoder.stack_layers(cfg, m.params)
     assert decoder.stacked_groups(stacked) == LayerGroups(0, 2, 2)
     for (logits, pools), (ref_logits, ref_pools) in zip(_schedule(stacked, cfg), _schedule(m.params, cfg)):
         _close(logits, ref_logits, "logits")
         for name, ours, theirs in zip(pools._fields, pools, ref_pools):
             _close(ours, theirs, name)
+    return cfg, stacked
+
+
+def test_kernels_take_the_traced_layer(tmp_path):
+    """The Mosaic GPU kernels (interpreted: GDN chunked prefill and decode, conv1d, paged attention)
+    index the pools with the scan's traced layer: the stacked layout gives the list layout's numbers."""
+    from tests.engine.test_runner import KERNEL_CONFIG
+
+    _stacked_equals_list({**KERNEL_CONFIG, "num_hidden_layers": 4, "layer_types": [G, A] * 2}, tmp_path, 5,
+                         "pallas-interpret")
 
 
 def test_moe_kernel_reads_the_stack_in_place(tmp_path):
@@ -256,16 +264,8 @@ def test_moe_kernel_reads_the_stack_in_place(tmp_path):
     and the layer's row as an offset: lowered for the GPU, every Mosaic GPU call of a mixed step's
     program takes the stack (a row passed as an operand would be copied out every step); interpreted,
     the numbers are the list layout's."""
-    raw = {**QWEN_MOE, "num_hidden_layers": 4, "layer_types": [G, A] * 2}
-    m = load_model(write_random_checkpoint(raw, tmp_path, dtype="float32", seed=6, init_std=0.2), dtype="float32",
-                   progress=False)
-    cfg = dataclasses.replace(m.config, kernels="interpret:moe")
-    stacked = decoder.stack_layers(cfg, m.params)
-    assert decoder.stacked_groups(stacked) == LayerGroups(0, 2, 2)
-    for (logits, pools), (ref_logits, ref_pools) in zip(_schedule(stacked, cfg), _schedule(m.params, cfg)):
-        _close(logits, ref_logits, "logits")
-        for name, ours, theirs in zip(pools._fields, pools, ref_pools):
-            _close(ours, theirs, name)
+    cfg, stacked = _stacked_equals_list({**QWEN_MOE, "num_hidden_layers": 4, "layer_types": [G, A] * 2}, tmp_path,
+                                        6, "interpret:moe")
 
     gpu_cfg = dataclasses.replace(cfg, kernels="moe")
     params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16), stacked)
