@@ -14,7 +14,8 @@ heads / channels and against the jnp reference on the GPU, and padding tokens mu
 ``gdn_fused`` and ``kda_fused`` (asked for by name) check ``pallas_kernels/gdn_chunk_fused.py`` and
 ``kda_chunk_fused.py`` the same way with bf16 operands, gates strong enough to stress the on-chip UT
 inverse (and, for KDA, the per-channel decay's range) included.
-The ``moe`` suite checks the routed experts
+The ``linear`` suite checks ``pallas_kernels/linear_small.py`` (decode-step dense projections) at the
+target model's weight shapes and 1 to 64 rows. The ``moe`` suite checks the routed experts
 (``pallas_kernels/moe.py``: the 64-row grouped kernel, the swap-AB small path at decode token counts,
 the gather path) at decode and prefill token counts against a float64 oracle on up to 64
 tokens and against ``layers.routed_experts`` (``lax.ragged_dot``) on the GPU, and reports the max
@@ -653,15 +654,80 @@ def moe_checks(interpret=False):
             yield r
 
 
+# ------------------------------------------------------------------------------------------------
+# Dense projections of decode steps (pallas_kernels/linear_small.py) at the target model's weights:
+# bf16 x [M, K] @ w [K, N] against a float64 oracle and XLA's dot; the stacked form (w [L, K, N],
+# the decoder's scan) reads the named layer.
+# ------------------------------------------------------------------------------------------------
+
+# (name, K, N): GDN in_proj qkv / z and out_proj, attention q (with its gate) / k, shared expert
+# gate / down, the LM head (vocab 151936 = 2374 column tiles)
+LINEAR_SHAPES = [("in_proj_qkv", 2048, 8192), ("in_proj_z", 2048, 4096), ("out_proj", 4096, 2048),
+                 ("k_proj", 2048, 512), ("shared_down", 512, 2048), ("lm_head", 2048, 151936)]
+LINEAR_ROWS = (1, 8, 32, 64)
+# Variants: default K splits (linear_small.splits), one split forced, and the stacked weight
+LINEAR_VARIANTS = {"linear": dict(), "linear_s1": dict(num_splits=1), "linear_stack": dict(stack=3)}
+LINEAR_TOL, LINEAR_JNP_TOL = 1e-2, 2e-2  # bf16 output, rounded once (XLA's dot also once: 2x margin)
+
+
+def check_linear(name, K, N, M, variant, seed, interpret=False):
+    from pallas_kernels.linear_small import linear_small, splits
+
+    if interpret:
+        K, N = min(K, 256), min(N, 128)
+    rng = np.random.default_rng(seed)
+    dt = jnp.float32 if interpret else jnp.bfloat16
+    kw = dict(LINEAR_VARIANTS[variant])
+    L = kw.pop("stack", 0)
+    x = np.asarray(jnp.asarray(rng.standard_normal((M, K), dtype=np.float32), dt).astype(jnp.float32))
+    ws = np.asarray(jnp.asarray(rng.standard_normal((max(L, 1), K, N), dtype=np.float32) * K ** -0.5, dt)
+                    .astype(jnp.float32))
+    layer = L - 1 if L else None
+    w_op = jnp.asarray(ws if L else ws[0], dt)
+    run = jax.jit(lambda x, w, l: linear_small(x, w, l, interpret=interpret, **kw))
+    args = (jnp.asarray(x, dt), w_op, None if layer is None else jnp.int32(layer))
+    t0 = time.perf_counter()
+    y = np.asarray(jax.block_until_ready(run(*args)).astype(jnp.float32))
+    first_call_s = time.perf_counter() - t0
+    deterministic = bool(np.array_equal(np.asarray(run(*args).astype(jnp.float32)), y))
+    w = ws[layer or 0]
+    y64 = x.astype(np.float64) @ w.astype(np.float64)
+    y_j = np.asarray(jax.jit(lambda a, b: a @ b)(args[0], jnp.asarray(w, dt)).astype(jnp.float32))
+    res = dict(kernel="linear", variant=variant, B=M, dtype=jnp.dtype(dt).name, seed=seed, shape=f"{name} K={K} N={N}",
+               splits=kw.get("num_splits") or splits(M, K, N, dt), o_rel_err=rel(y, y64),
+               o_rel_err_vs_jnp=rel(y, y_j), max_abs_err=float(np.abs(y - y64).max()),
+               oracle_max_abs=float(np.abs(y64).max()), finite=bool(np.isfinite(y).all()),
+               deterministic=deterministic, first_call_s=round(first_call_s, 2))
+    res["ok"] = bool(res["finite"] and deterministic and res["o_rel_err"] < LINEAR_TOL
+                     and res["o_rel_err_vs_jnp"] < LINEAR_JNP_TOL)
+    return res
+
+
+def linear_checks(interpret=False):
+    """Every LINEAR_SHAPES x LINEAR_ROWS case with the default variant, the forced one-split and
+    the stacked variants at 1 and 32 rows; a case that raises is recorded as an error."""
+    plan = [(s, M, "linear") for s in LINEAR_SHAPES for M in LINEAR_ROWS]
+    plan += [(s, M, v) for s in LINEAR_SHAPES for M in (1, 32) for v in ("linear_s1", "linear_stack")]
+    if interpret:
+        plan = [p for p in plan if p[0][0] in ("out_proj", "k_proj") and p[1] in (1, 32)]
+    for seed, ((name, K, N), M, variant) in enumerate(plan, 700):
+        try:
+            r = check_linear(name, K, N, M, variant, seed, interpret)
+        except Exception as e:  # keep going: one broken case must not hide the others
+            r = dict(kernel="linear", variant=variant, B=M, dtype="bfloat16", ok=False, shape=f"{name} K={K} N={N}",
+                     error=f"{type(e).__name__}: {str(e)[:2000]}")
+        yield r
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--batches", default="1,64,256,512")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke run of this script (slow: use --batches 1)")
-    ap.add_argument("--suites", default="decode,paged_attention,chunked,conv1d,moe",
+    ap.add_argument("--suites", default="decode,paged_attention,chunked,conv1d,moe,linear",
                     help="decode (GDN/KDA), paged_attention, chunked (GDN/KDA prefill), conv1d (short conv), "
-                         "moe (MoE routed experts), gdn_fused / kda_fused (GDN / KDA prefill as one kernel; "
-                         "not in the default)")
+                         "moe (MoE routed experts), linear (decode-step dense projections), gdn_fused / "
+                         "kda_fused (GDN / KDA prefill as one kernel; not in the default)")
     args = ap.parse_args()
     suites = args.suites.split(",")
     print(jax.devices())
@@ -695,7 +761,8 @@ def main():
                              fused_checks("gdn", args.interpret) if "gdn_fused" in suites else (),
                              fused_checks("kda", args.interpret) if "kda_fused" in suites else (),
                              conv1d_checks(args.interpret) if "conv1d" in suites else (),
-                             moe_checks(args.interpret) if "moe" in suites else ()):
+                             moe_checks(args.interpret) if "moe" in suites else (),
+                             linear_checks(args.interpret) if "linear" in suites else ()):
         results.append(r)
         print(json.dumps(r), flush=True)
         log.write(json.dumps(r) + "\n")

@@ -81,6 +81,8 @@ def case_key(case):
         return conv1d_case_key(m)
     if m.get("suite") == "moe":
         return moe_case_key(m)
+    if m.get("suite") == "linear":
+        return linear_case_key(m)
     return (f"{m['kind']}_decode", f"B={m['B']} Hk={m['Hk']} Hv={m['Hv']} dk={m['dk']} dv={m['dv']} ({m['model']})")
 
 
@@ -1285,6 +1287,83 @@ def run_moe_jax(case, allowed=None):
     return out
 
 
+# ------------------------------------------------------------------------------------------------
+# Decode-step dense projections (pallas_kernels/linear_small.py) vs XLA's dot
+# ------------------------------------------------------------------------------------------------
+
+# The target model's dense weights (bf16 [K, N]) at the decode step's row counts. A chain step
+# multiplies by a different copy of the weight (LINEAR_COPIES of them, > 4x the 50 MB L2 for the
+# small ones), so no step reads its weight from L2. Roofline: the weight's bytes (plus x and the
+# output) over the copy bandwidth. Ours: ``linear_small`` at its default K splits, and one split
+# forced; jnp: ``x @ w`` as XLA compiles it (a reduction at M = 1, a GEMM above).
+LINEAR_SHAPES = {"in_proj_qkv": (2048, 8192), "in_proj_z": (2048, 4096), "out_proj": (4096, 2048),
+                 "k_proj": (2048, 512), "shared_down": (512, 2048), "lm_head": (2048, 151936)}
+LINEAR_ROWS = (1, 8, 32)
+LINEAR_VARIANTS = {"linear": dict(), "linear_s1": dict(num_splits=1)}
+if os.environ.get("KERNELS_SMOKE"):
+    LINEAR_SHAPES, LINEAR_ROWS = {"out_proj": (256, 128)}, (1,)
+CHECKED_AS.update({n: n for n in LINEAR_VARIANTS})  # gpu_check rows with the same variant names
+
+
+def linear_cases(quick=False):
+    shapes = {k: LINEAR_SHAPES[k] for k in list(LINEAR_SHAPES)[:2]} if quick else LINEAR_SHAPES
+    return [dict(suite="linear", kind="linear", name=n, K=K, N=N, M=m, model="target MoE")
+            for n, (K, N) in shapes.items() for m in LINEAR_ROWS]
+
+
+def linear_case_key(m):
+    return "linear_small", f"{m['name']} M={m['M']} K={m['K']} N={m['N']} ({m['model']})"
+
+
+def linear_copies(case):
+    return max(2, -(-(256 << 20) // (case["K"] * case["N"] * 2)))  # >= 256 MiB of distinct weights
+
+
+def linear_bytes(case):
+    return case["K"] * case["N"] * 2 + case["M"] * (case["K"] + case["N"]) * 2
+
+
+def run_linear_jax(case, allowed=None):
+    """Ours (each variant the GPU check passed) and XLA's dot: a jitted chain of ``copies`` products,
+    each by a different copy of the weight."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.linear_small import linear_small, splits
+
+    K, N, M = case["K"], case["N"], case["M"]
+    interpret = bool(os.environ.get("KERNELS_SMOKE"))
+    dt = jnp.float32 if interpret else jnp.bfloat16
+    copies = 2 if interpret else linear_copies(case)
+    keys = jax.random.split(jax.random.key(11), copies)
+    ws = [(jax.random.normal(k, (K, N), jnp.float32) * K ** -0.5).astype(dt) for k in keys]  # separate buffers
+    out = {"cost": dict(bytes=linear_bytes(case), steps=copies, splits=splits(M, K, N, dt))}
+    fns = {}
+    for name, kw in LINEAR_VARIANTS.items():
+        if allowed is not None and name not in allowed:
+            out[f"ours_{name}"] = dict(error="not run: failed or missing in gpu_check")
+            continue
+        fns[f"ours_{name}"] = (lambda kw: lambda x, w: linear_small(x, w, interpret=interpret, **kw))(kw)
+    fns["jnp"] = lambda x, w: x @ w
+
+    def make_chain(call):
+        call = jax.jit(call)
+
+        def chain(x, ws):
+            return x, [call(x, ws[c]) for c in range(copies)]
+        return jax.jit(chain, donate_argnums=(0,))
+
+    for name, call in fns.items():
+        x = jax.random.normal(jax.random.key(12), (M, K), jnp.float32).astype(dt)
+        try:
+            _, res = time_jax_chain(make_chain(call), x, (ws,), copies)
+        except Exception as e:  # noqa: BLE001
+            res = dict(error=f"{type(e).__name__}: {str(e)[:600]}")
+        out[name] = res
+        print(f"  {name:16} {json.dumps(res)}", flush=True)
+    return out
+
+
 @dataclasses.dataclass
 class Suite:
     cases: Callable[[bool], list]
@@ -1304,7 +1383,8 @@ SUITES = {"decode": Suite(decode_cases, run_decode_jax, decode_state_bytes),
           "gdn_fused": Suite(fused_cases("gdn"), run_fused_jax, chunked_bytes),
           "kda_fused": Suite(fused_cases("kda"), run_fused_jax, chunked_bytes),
           "conv1d": Suite(conv1d_cases, run_conv1d_jax, conv1d_bytes),
-          "moe": Suite(moe_cases, run_moe_jax, moe_bytes, has_peer=False, flops=moe_flops)}
+          "moe": Suite(moe_cases, run_moe_jax, moe_bytes, has_peer=False, flops=moe_flops),
+          "linear": Suite(linear_cases, run_linear_jax, linear_bytes, has_peer=False)}
 
 
 def make_record(case, jax_res, peer_res, bandwidth_tbps, suite, matmul_tflops=None):

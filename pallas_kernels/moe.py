@@ -505,7 +505,7 @@ def small_smem_bytes(block_rows: int, block_k: int, stages: int, fused: bool, it
 
 
 def grouped_gemm_small(xp, w, tiles, row_weights=None, *, block_rows, fused=False, block_k=None, stages=4,
-                       transposed_out=False, interpret=False):
+                       transposed_out=False, out_dtype=None, interpret=False):
     """The swap-AB kernel on the padded layout of ``block_rows``-row tiles: ``xp [num_tiles * R,
     K]`` (tile ``t`` of rows times expert ``tiles[t]``'s weights, for ``t < tiles[-1]``), ``w [E,
     K, N]``.
@@ -516,8 +516,9 @@ def grouped_gemm_small(xp, w, tiles, row_weights=None, *, block_rows, fused=Fals
     program's ``[64, R]`` accumulator stored as it is (the default stores it through a transposed
     view of a ``[R, 64]`` SMEM tile, so the next GEMM takes it without an XLA transpose).
     ``row_weights`` fp32 ``[num_tiles * R]`` scales each row (output column) before its one
-    rounding. ``block_k`` defaults to ``small_blocks``. SMEM: ``small_smem_bytes`` (fused bf16, R =
-    8, 4 stages: 69 KiB)."""
+    rounding. ``out_dtype``: the result's dtype (default ``xp.dtype``; fp32 for partial products
+    summed later, ``pallas_kernels.linear_small``). ``block_k`` defaults to ``small_blocks``. SMEM:
+    ``small_smem_bytes`` (fused bf16, R = 8, 4 stages: 69 KiB)."""
     Mp, K = xp.shape
     E, K2, Nw = w.shape
     R = block_rows
@@ -526,6 +527,7 @@ def grouped_gemm_small(xp, w, tiles, row_weights=None, *, block_rows, fused=Fals
         raise ValueError(f"moe small GEMM: x {xp.shape} {xp.dtype}, w {w.shape} {w.dtype}, tiles {tiles.shape}, "
                          f"block_rows {R}")
     N = Nw // 2 if fused else Nw
+    out_dtype = jnp.dtype(out_dtype or xp.dtype)
     block_k = block_k or small_blocks(K, N, xp.dtype)
     if not block_k or K % block_k or N % BLOCK_W or stages < 2:
         raise ValueError(f"moe small GEMM: K={K}, N={N} (fused={fused}) do not fit block_k={block_k}, "
@@ -539,15 +541,15 @@ def grouped_gemm_small(xp, w, tiles, row_weights=None, *, block_rows, fused=Fals
         plgpu.SMEM((nops, stages, block_k, BLOCK_W), w.dtype, transforms=_transforms(w.dtype, BLOCK_W)),
         # transposed_out: the output tile's rows are R elements, 16 bytes at R = 8 bf16, below the
         # smallest swizzle (32 bytes): unswizzled then
-        plgpu.SMEM((BLOCK_W, R), xp.dtype, transforms=_transforms(xp.dtype, R) if R * xp.dtype.itemsize >= 32 else ())
-        if transposed_out else plgpu.SMEM((R, BLOCK_W), xp.dtype, transforms=_transforms(xp.dtype, BLOCK_W)),
+        plgpu.SMEM((BLOCK_W, R), out_dtype, transforms=_transforms(out_dtype, R) if R * out_dtype.itemsize >= 32 else ())
+        if transposed_out else plgpu.SMEM((R, BLOCK_W), out_dtype, transforms=_transforms(out_dtype, BLOCK_W)),
         *([plgpu.SMEM((rw_len,), jnp.float32)] if row_weights is not None else []),
         plgpu.Barrier(num_barriers=stages * (1 + nops) + (row_weights is not None)),
     ]
     kernel = plgpu.kernel(
         functools.partial(_kernel_small, block_rows=R, block_k=block_k, stages=stages, fused=fused,
                           scaled=row_weights is not None, transposed_out=transposed_out),
-        out_type=jax.ShapeDtypeStruct((N, Mp) if transposed_out else (Mp, N), xp.dtype),
+        out_type=jax.ShapeDtypeStruct((N, Mp) if transposed_out else (Mp, N), out_dtype),
         grid=(N // BLOCK_W, Mp // R),
         grid_names=("n", "m"),
         scratch_types=scratch,

@@ -25,7 +25,10 @@ checked on the device. Kernel names: ``gdn_decode``, ``gdn_prefill``, ``paged_at
 ``conv1d`` (the GDN short conv, prefill and decode), ``moe`` (the routed experts of MoE layers: a
 grouped GEMM over the experts the tokens use, and a gather path for a few tokens,
 ``pallas_kernels/moe.py``), ``prefill_fused`` (above; checked in interpret mode only, so not in
-``AUTO_ON_GPU`` until it passes ``gpu_check --suites gdn_fused,kda_fused``).
+``AUTO_ON_GPU`` until it passes ``gpu_check --suites gdn_fused,kda_fused``), ``linear`` (a decode
+step's dense projections that it tiles, up to 64 rows, one device: ``pallas_kernels/linear_small.py``;
+not in ``AUTO_ON_GPU`` until it passes ``gpu_check --suites linear`` and a decode step runs faster
+with it).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import jax
 
 from jaxserve.config import ModelConfig
 
-KERNELS = ("gdn_decode", "gdn_prefill", "paged_attention", "conv1d", "moe", "prefill_fused")
+KERNELS = ("gdn_decode", "gdn_prefill", "paged_attention", "conv1d", "moe", "prefill_fused", "linear")
 # 2026-12-02: gpu_check 26/26 on the H200, the engine hammer with the GDN kernels in
 # fp32 (hit == cold) and with every kernel in bf16; speeds in benchmarks/RESULTS.md. conv1d joined
 # 2026-12-03: gpu_check 7/7 (final and x64 snapshot conv states bit-exact, outputs
@@ -51,8 +54,9 @@ KERNELS = ("gdn_decode", "gdn_prefill", "paged_attention", "conv1d", "moe", "pre
 # Interpret-mode tests (runner hit == cold included) and the cuda lowering pass on the CPU; the GPU
 # check and a decode-step memory check (no pool copy) are owed at the next device call.
 AUTO_ON_GPU: frozenset[str] = frozenset({"gdn_decode", "gdn_prefill", "paged_attention", "conv1d", "moe"})
-# Run only where named in a list: alternatives to a kernel "pallas" already runs.
-BY_NAME_ONLY: frozenset[str] = frozenset({"prefill_fused"})
+# Run only where named in a list: alternatives to a kernel "pallas" already runs, and kernels not yet
+# checked on a GPU (linear: gpu_check --suites linear pending).
+BY_NAME_ONLY: frozenset[str] = frozenset({"prefill_fused", "linear"})
 # Names of which a list may hold one: implementations of the same backend.
 EXCLUSIVE: tuple[frozenset[str], ...] = (frozenset({"gdn_prefill", "prefill_fused"}),)
 CHOICES = ("auto", "jnp", "pallas", "pallas-interpret")

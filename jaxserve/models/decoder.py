@@ -50,7 +50,8 @@ from jax import lax
 
 from jaxserve.config import LINEAR_ATTENTION, ModelConfig
 from jaxserve.models import gated_deltanet
-from jaxserve.models.layers import KEY_BLOCK, Ragged, attention, mlp, moe, rms_norm, use_moe_kernel
+from jaxserve.models.layers import (KEY_BLOCK, Ragged, attention, linear, mlp, moe, rms_norm, small_linears,
+                                    use_moe_kernel)
 from pallas_kernels import token_segments
 
 
@@ -253,6 +254,8 @@ def _layer(p: dict, cfg: ModelConfig, i: int, j: int, x: jax.Array, r: Ragged, p
     # before the previous layer is done and sit beside every other layer's: the real-size
     # qwen3_5_moe's 32-row decode step on the jnp MoE path needed 9.3 GiB of temporaries, 0.7 with it.
     p, x = jax.lax.optimization_barrier((p, x))
+    if decode:
+        p = small_linears(p, cfg, x.dtype)
     return _layer_body(p, cfg, i, j, x, r, pools, decode)
 
 
@@ -270,6 +273,8 @@ def _stacked_layer(period: list, cfg: ModelConfig, groups: LayerGroups, k: int, 
     i = groups.prefix + k
     g, x = jax.lax.optimization_barrier((g, x))
     p = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, g, keepdims=False), period[k])
+    if decode:  # the decode-step projection kernel reads the stack's row in place, as the MoE kernel below
+        p = small_linears(p, cfg, x.dtype, stack=period[k], layer=g)
     if cfg.moe_layers[i] and not cfg.expert_parallel and use_moe_kernel(cfg, x.dtype):
         # The MoE kernel's weight operands are buffers of their own: a row of the stack would be
         # copied out every step. It gets the whole stack ([n * E, ...], a free reshape) and the row.
@@ -381,9 +386,11 @@ def forward_ragged(params: dict, cfg: ModelConfig, tokens: jax.Array, r: Ragged,
     if last_only:
         x = x[jnp.maximum(r.cu_seqlens[1:] - 1, 0)]
     x = rms_norm(x, params["norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
-    lm_head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     with jax.named_scope("lm_head"):
-        return (x @ lm_head).astype(jnp.float32), pools
+        if cfg.tie_word_embeddings:
+            return (x @ params["embed"].T).astype(jnp.float32), pools
+        # a few rows (each row's last token): the decode-step projection kernel where it is chosen
+        return linear(x, small_linears({"w": params["lm_head"]}, cfg, x.dtype)).astype(jnp.float32), pools
 
 
 def make_ragged(positions, cu_seqlens, context_len, page_table, read_slot, write_slot,

@@ -23,7 +23,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import SLIDING_ATTENTION, SNAPSHOT_INTERVAL, ModelConfig
 from jaxserve.models import backends
-from jaxserve.parallel.layout import AXIS, split_shards
+from jaxserve.parallel.layout import AXIS, shards, split_shards
+from pallas_kernels import linear_small as linear_small_kernel
 from pallas_kernels import moe as moe_kernel
 from pallas_kernels import paged_attention as paged_attention_kernel
 
@@ -114,10 +115,62 @@ def rotary(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float,
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
 
 
+class SmallLinear(NamedTuple):
+    """Marks a projection for the decode-step kernel (``pallas_kernels.linear_small``): set by the
+    decoder (``small_linears``) on a decode step's weights dicts whose ``w`` it tiles. ``layer``:
+    with ``w`` the whole stack ``[L, K, N]`` of the decoder's scan, the row to multiply by (the
+    kernel reads it in place; a sliced row would be copied out)."""
+
+    interpret: bool
+    layer: jax.Array | None = None
+
+
 def linear(x: jax.Array, p: dict) -> jax.Array:
-    """``x @ w (+ b)``; weights are stored [in, out] (transposed from HF at load time)."""
-    y = x @ p["w"]
+    """``x @ w (+ b)``; weights are stored [in, out] (transposed from HF at load time). A dict
+    marked ``small`` (``SmallLinear``) runs the decode-step kernel for up to its row limit."""
+    small = p.get("small")
+    if small is None:
+        y = x @ p["w"]
+    elif x.ndim == 2 and x.shape[0] <= linear_small_kernel.MAX_ROWS:
+        y = linear_small_kernel.linear_small(x, p["w"], small.layer, interpret=small.interpret)
+    else:
+        y = x @ (p["w"] if small.layer is None else lax.dynamic_index_in_dim(p["w"], small.layer, keepdims=False))
     return y + p["b"] if "b" in p else y
+
+
+def small_linears(p, cfg: ModelConfig, act_dtype, stack=None, layer: jax.Array | None = None):
+    """``p`` (a layer's weights, or any tree of weights dicts) with every projection the decode-step
+    kernel tiles marked ``small`` (``SmallLinear``): on decode steps where the ``linear`` kernel is
+    chosen (``backends``), one device. ``stack``/``layer``: the decoder's scan, ``p`` being row
+    ``layer`` of ``stack`` (same structure): a marked dict gets the stack's ``w`` and the row."""
+    if not use_small_linear(cfg, act_dtype):
+        return p
+    interpret = backends.interpret(cfg)
+
+    def mark(d, s):
+        if isinstance(d, dict) and "w" in d and getattr(d["w"], "ndim", 0) == 2:
+            K, N = d["w"].shape
+            if d["w"].dtype == act_dtype and linear_small_kernel.fits(K, N, act_dtype):
+                if s is None:
+                    return {**d, "small": SmallLinear(interpret)}
+                return {**d, "w": s["w"], "small": SmallLinear(interpret, layer)}
+            return d
+        if isinstance(d, dict):
+            return {k: mark(v, None if s is None else s[k]) for k, v in d.items()}
+        return d
+
+    return mark(p, stack)
+
+
+def use_small_linear(cfg: ModelConfig, act_dtype) -> bool:
+    """Static: decode steps' projections through ``pallas_kernels.linear_small`` (backend name
+    ``linear``)? bf16 / fp16 on the GPU (any dtype under interpretation); one device only (under a
+    tensor-parallel mesh the weights are split and XLA partitions the dot)."""
+    if shards() > 1:
+        return False
+    gpu_dtype = jnp.dtype(act_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return backends.use_kernel(cfg, "linear", gpu_dtype or backends.interpret(cfg),
+                               f"{jnp.dtype(act_dtype).name} activations")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@
 #            and the cold prefill steps of $PREFILL_LENS (e.g. 512,2048) first; more flags in $DECODE_ARGS
 #            (e.g. --scan-layers);
 #            it gets the call's time left (CALL_LIMIT, default 590 s) less $E2E_RESERVE
+#   linear   the decode-step dense projections' timings (pallas_kernels/linear_small.py vs XLA's dot; checked by
+#            the check part when CHECK_SUITES names linear)
 #   memory   decode-step temporaries with every kernel vs jnp (benchmarks/step_memory.py, 4 layers, pools
 #            large enough that a copy of one would show: a kernel that copies a pool is >0.5 GiB above jnp)
 #   e2e      jaxserve serve + jaxserve bench rows (benchmarks/e2e.py), serve flags in $SERVE_ARGS
@@ -50,6 +52,10 @@ if [[ $parts == *,moe,* ]]; then
   fi
   timeout ${MOE_TIME_TIMEOUT:-150} python3 benchmarks/kernels.py --only moe --no-peer --out "$OUT" > "$OUT/moe_time.log" 2>&1
   echo "moe timing rc=$?"; tail -12 "$OUT/moe_time.log"
+fi
+if [[ $parts == *,linear,* ]]; then
+  timeout ${LINEAR_TIME_TIMEOUT:-120} python3 benchmarks/kernels.py --only linear --no-peer --out "$OUT" > "$OUT/linear_time.log" 2>&1
+  echo "linear timing rc=$?"; grep "| linear_small" "$OUT/linear_time.log" | cut -d'|' -f5-10,12-13
 fi
 if [[ $parts == *,memory,* ]]; then
   for k in auto jnp; do

@@ -280,3 +280,41 @@ def test_moe_kernel_reads_the_stack_in_place(tmp_path):
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     assert calls and all(f"tensor<{2 * E}x{H}x{2 * I}xbf16>" in c or f"tensor<{2 * E}x{I}x{H}xbf16>" in c
                          for c in calls), calls
+
+
+def test_small_linear_kernel_reads_the_stack_in_place(tmp_path):
+    """Decode steps' projections through ``pallas_kernels.linear_small`` (``kernels="linear"``):
+    interpreted, the stacked layout gives the list layout's numbers and the list layout the jnp
+    path's; lowered for the GPU in bf16, the stacked decode program's kernel calls take whole
+    stacks of the period's weights (``[2, K, N]``: a row passed as an operand would be copied out
+    every step) or the LM head, and the mixed step's layers stay on XLA's dot."""
+    raw = {**QWEN_MOE, "num_hidden_layers": 4, "layer_types": [G, A] * 2}
+    cfg, stacked = _stacked_equals_list(raw, tmp_path / "k", 8, "interpret:linear")
+    m = load_model(write_random_checkpoint(raw, tmp_path / "k", dtype="float32", seed=8, init_std=0.2),
+                   dtype="float32", progress=False)
+    for (logits, pools), (ref_logits, ref_pools) in zip(_schedule(m.params, cfg),
+                                                        _schedule(m.params, dataclasses.replace(cfg, kernels="jnp"))):
+        _close(logits, ref_logits, "logits vs jnp")
+        for name, ours, theirs in zip(pools._fields, pools, ref_pools):
+            _close(ours, theirs, f"{name} vs jnp")
+
+    gpu_cfg = dataclasses.replace(cfg, kernels="linear")
+    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16), stacked)
+    plan = pool_mod.plan_pools(gpu_cfg, jnp.bfloat16, page_size=PAGE, max_seqs=4, num_pages=24, num_slots=8)
+    pools = jax.eval_shape(lambda: pool_mod.init_pools(plan, gpu_cfg, jnp.bfloat16))
+
+    def mosaic_calls(T, decode):
+        S = BUCKETS.snapshot_sizes(T, decode)[-1]
+        batch = runner.padding_batch(T, 4 if decode else BUCKETS.rows_for(T), S, BUCKETS.pages_per_seq, decode)
+        text = runner._step.trace(params, gpu_cfg, pools, batch, runner.feed_buffer(BUCKETS.seqs[-1]), decode,
+                                  False).lower(lowering_platforms=("cuda",)).as_text()
+        return [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+
+    H, V = cfg.hidden_size, cfg.vocab_size
+    head = f"tensor<1x{H}x{V}xbf16>"  # the LM head: one "layer" [1, K, N]
+    decode_calls = mosaic_calls(4, True)
+    # (jitted, each kernel is a private function, one per distinct shape) 2 repetitions, K = 64 unsplit
+    stacks = [c for c in decode_calls if re.search(r"tensor<2x\d+x\d+xbf16>", c)]
+    assert stacks and len(stacks) + sum(head in c for c in decode_calls) == len(decode_calls), decode_calls
+    assert any(head in c for c in decode_calls)
+    assert all(head in c for c in mosaic_calls(128, False))  # a mixed step: the LM head's few rows only
