@@ -13,6 +13,9 @@
 #            the check part when CHECK_SUITES names linear)
 #   memory   decode-step temporaries with every kernel vs jnp (benchmarks/step_memory.py, 4 layers, pools
 #            large enough that a copy of one would show: a kernel that copies a pool is >0.5 GiB above jnp)
+#   sim      the simulator's GPU cost model and its validation (jaxserve sim calibrate, then sim validate on a
+#            generated shared-prompts trace of $SIM_N requests at $SIM_RATE a second), engine flags in $SIM_ARGS;
+#            results $OUT/sim-cost.json, $OUT/sim-validation.json
 #   e2e      jaxserve serve + jaxserve bench rows (benchmarks/e2e.py), serve flags in $SERVE_ARGS
 # Needs the HTTP wheels for e2e: ../shared/tools/device-wheels.sh httpx httpcore h11 certifi idna; carry .whl.
 #   PARTS=moe,decode bash scripts/device/serving_call.sh
@@ -31,7 +34,7 @@ if [[ $parts == *,check,* ]]; then
   timeout ${CHECK_TIMEOUT:-200} python3 benchmarks/gpu_check.py --suites "${CHECK_SUITES:-decode,paged_attention}" \
     --out "$OUT" > "$OUT/gpu_check.log" 2>&1 &
 fi
-if [[ $parts == *,decode,* || $parts == *,e2e,* ]] && [ ! -f runs/e2e-ck/model.safetensors ]; then
+if [[ $parts == *,decode,* || $parts == *,e2e,* || $parts == *,sim,* ]] && [ ! -f runs/e2e-ck/model.safetensors ]; then
   t0=$(date +%s)
   python3 -m weights.random_checkpoint --config benchmarks/configs/qwen3_5_moe-6b.json --out runs/e2e-ck
   echo "checkpoint written in $(( $(date +%s) - t0 ))s"
@@ -70,6 +73,18 @@ if [[ $parts == *,decode,* ]]; then
     --kernels "${KERNELS:-auto}" --prefill-lens "${PREFILL_LENS:-}" ${DECODE_ARGS:-} --out "$OUT/decode.json" > "$OUT/decode.log" 2>&1
   echo "decode rc=$?"; grep -v "^\s*$" "$OUT/decode.log" | tail -14 | cut -c1-600
   (cd "$OUT" && ls decode-*.hlo.txt >/dev/null 2>&1 && tar czf decode-hlo.tgz decode-*.hlo.txt && rm decode-*.hlo.txt)
+fi
+if [[ $parts == *,sim,* ]]; then
+  python3 -m jaxserve.cli sim gen shared-prompts --n ${SIM_N:-150} --rate ${SIM_RATE:-5} --seed 1 --out "$OUT/sim-trace.jsonl"
+  # shellcheck disable=SC2086
+  timeout $(( $(left) / 2 )) python3 -m jaxserve.cli sim calibrate --model runs/e2e-ck --compile-cache /tmp/jax-cache \
+    --out "$OUT/sim-cost.json" ${SIM_ARGS:-} > "$OUT/sim-calibrate.log" 2>&1
+  echo "sim calibrate rc=$?"; tail -4 "$OUT/sim-calibrate.log" | cut -c1-400
+  # shellcheck disable=SC2086
+  timeout $(left) python3 -m jaxserve.cli sim validate --model runs/e2e-ck --compile-cache /tmp/jax-cache \
+    --trace "$OUT/sim-trace.jsonl" --cost "$OUT/sim-cost.json" --out "$OUT/sim-validation.json" ${SIM_ARGS:-} \
+    > "$OUT/sim-validate.log" 2>&1
+  echo "sim validate rc=$?"; tail -12 "$OUT/sim-validate.log" | cut -c1-400
 fi
 if [[ $parts == *,e2e,* ]]; then
   # shellcheck disable=SC2086
