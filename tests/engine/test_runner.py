@@ -30,7 +30,8 @@ from weights import load_model
 from weights.random_checkpoint import write_random_checkpoint
 
 MODELS = [("qwen3_5", "dense"), ("qwen3_next", "moe"), ("qwen3", "base"), ("kimi_linear", "moe"),
-          ("kernel", "gdn_decode"), ("kernel", "kda"), ("kernel", "gdn_fused"), ("kernel", "kda_fused")]
+          ("kernel", "gdn_decode"), ("kernel", "kda"), ("kernel", "gdn_fused"), ("kernel", "kda_fused"),
+          ("kernel", "linear")]
 # ("kernel", "gdn_decode"): a random qwen3_5 whose shapes fit the Mosaic GPU kernels' tiling (GDN dk =
 # dv = 64; attention head dim 64), run with cfg.kernels="pallas-interpret": the GDN chunked prefill
 # kernel on prefill steps, the GDN decode kernel on decode steps, the conv1d kernels (prefill and
@@ -63,7 +64,9 @@ KDA_KERNEL_CONFIG = {
 # (kda_fused with its decay rates set to 1: ``_gentle_gates``).
 KERNEL_CASES = {"gdn_decode": (KERNEL_CONFIG, "pallas-interpret"), "kda": (KDA_KERNEL_CONFIG, "pallas-interpret"),
                 "gdn_fused": (KERNEL_CONFIG, "interpret:prefill_fused"),
-                "kda_fused": (KDA_KERNEL_CONFIG, "interpret:prefill_fused")}
+                "kda_fused": (KDA_KERNEL_CONFIG, "interpret:prefill_fused"),
+                # decode steps' projections and every step's LM head through pallas_kernels/linear_small
+                "linear": ({**KERNEL_CONFIG, "tie_word_embeddings": False}, "interpret:linear")}
 PAGE = 16
 MAX_LEN = 128  # every sequence fits; the dense reference is [N, 64] run twice
 BUCKETS = runner.Buckets(tokens=(128,), seqs=(8,), pages_per_seq=MAX_LEN // PAGE, page_size=PAGE)
