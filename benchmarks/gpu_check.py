@@ -665,8 +665,9 @@ def moe_checks(interpret=False):
 LINEAR_SHAPES = [("in_proj_qkv", 2048, 8192), ("in_proj_z", 2048, 4096), ("out_proj", 4096, 2048),
                  ("k_proj", 2048, 512), ("shared_down", 512, 2048), ("lm_head", 2048, 151936)]
 LINEAR_ROWS = (1, 8, 32, 64)
-# Variants: default K splits (linear_small.splits), one split forced, and the stacked weight
-LINEAR_VARIANTS = {"linear": dict(), "linear_s1": dict(num_splits=1), "linear_stack": dict(stack=3)}
+# Variants: default K splits (linear_small.splits), one split forced (4- and 12-stage rings), the stacked weight
+LINEAR_VARIANTS = {"linear": dict(), "linear_s1": dict(num_splits=1), "linear_deep": dict(num_splits=1, stages=12),
+                   "linear_stack": dict(stack=3)}
 LINEAR_TOL, LINEAR_JNP_TOL = 1e-2, 2e-2  # bf16 output, rounded once (XLA's dot also once: 2x margin)
 
 
@@ -707,7 +708,7 @@ def linear_checks(interpret=False):
     """Every LINEAR_SHAPES x LINEAR_ROWS case with the default variant, the forced one-split and
     the stacked variants at 1 and 32 rows; a case that raises is recorded as an error."""
     plan = [(s, M, "linear") for s in LINEAR_SHAPES for M in LINEAR_ROWS]
-    plan += [(s, M, v) for s in LINEAR_SHAPES for M in (1, 32) for v in ("linear_s1", "linear_stack")]
+    plan += [(s, M, v) for s in LINEAR_SHAPES for M in (1, 32) for v in ("linear_s1", "linear_deep", "linear_stack")]
     if interpret:
         plan = [p for p in plan if p[0][0] in ("out_proj", "k_proj") and p[1] in (1, 32)]
     for seed, ((name, K, N), M, variant) in enumerate(plan, 700):

@@ -1294,12 +1294,12 @@ def run_moe_jax(case, allowed=None):
 # The target model's dense weights (bf16 [K, N]) at the decode step's row counts. A chain step
 # multiplies by a different copy of the weight (LINEAR_COPIES of them, > 4x the 50 MB L2 for the
 # small ones), so no step reads its weight from L2. Roofline: the weight's bytes (plus x and the
-# output) over the copy bandwidth. Ours: ``linear_small`` at its default K splits, and one split
-# forced; jnp: ``x @ w`` as XLA compiles it (a reduction at M = 1, a GEMM above).
+# output) over the copy bandwidth. Ours: ``linear_small`` at its default K splits, one split forced
+# (4-stage ring) and one split with a 12-stage ring (more bytes in flight per SM, no epilogue); jnp: ``x @ w`` as XLA compiles it (a reduction at M = 1, a GEMM above).
 LINEAR_SHAPES = {"in_proj_qkv": (2048, 8192), "in_proj_z": (2048, 4096), "out_proj": (4096, 2048),
                  "k_proj": (2048, 512), "shared_down": (512, 2048), "lm_head": (2048, 151936)}
 LINEAR_ROWS = (1, 8, 32)
-LINEAR_VARIANTS = {"linear": dict(), "linear_s1": dict(num_splits=1)}
+LINEAR_VARIANTS = {"linear": dict(), "linear_s1": dict(num_splits=1), "linear_deep": dict(num_splits=1, stages=12)}
 if os.environ.get("KERNELS_SMOKE"):
     LINEAR_SHAPES, LINEAR_ROWS = {"out_proj": (256, 128)}, (1,)
 CHECKED_AS.update({n: n for n in LINEAR_VARIANTS})  # gpu_check rows with the same variant names

@@ -18,9 +18,12 @@ weights it multiplies):
   row tile ``s`` is x's columns ``[s K / S, (s+1) K / S)`` times expert ``s``. The kernel's grid
   is (N / 64 column tiles, row tiles): with N = 2048 (an output projection) one row tile would be
   32 programs on 132 SMs, too few to pull the weights at full bandwidth; S splits make ``32 S``.
-* the kernel stores each program's ``[64, R]`` fp32 accumulator as it is (``transposed_out``,
-  ``out_dtype``): the S partial products are summed and transposed by one small XLA fusion and
-  rounded once.
+* with splits the kernel stores each program's ``[64, R]`` fp32 accumulator as it is
+  (``transposed_out``, ``out_dtype``): the S partial products are summed and transposed by one
+  small XLA fusion and rounded once. Without (S = 1) it stores the result in row order and x's
+  dtype (the MoE small path's store): no kernel after it. Each split costs that epilogue (a small
+  kernel a projection); a deeper SMEM ring (``stages``) is the other way to keep a short grid's SMs
+  pulling bytes, and the benchmark times both.
 * a stack of layers ``w [L, K, N]`` and the layer's index (the decoder's scan): the tile table
   names row ``layer * S + s`` of the stack viewed as ``[L S, K / S, N]``, so the kernel reads the
   layer's weights in place, where a row of the stack passed as an operand would be copied out
@@ -75,12 +78,14 @@ def splits(m: int, k: int, n: int, dtype) -> int:
     return s
 
 
-@functools.partial(jax.jit, static_argnames=("num_splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("num_splits", "stages", "interpret"))
 def linear_small(x: jax.Array, w: jax.Array, layer: jax.Array | None = None, *, num_splits: int | None = None,
-                 interpret: bool = False) -> jax.Array:
+                 stages: int = 4, interpret: bool = False) -> jax.Array:
     """``x @ w`` (``x [M, K]``, ``w [K, N]``), or ``x @ w[layer]`` for a stack ``w [L, K, N]`` and a
     traced int32 ``layer``. Returns ``[M, N]`` in x's dtype: fp32 products, one rounding.
-    ``num_splits``: K splits (default ``splits``)."""
+    ``num_splits``: K splits (default ``splits``); ``stages``: the kernel's SMEM ring depth (a few
+    programs per SM keep more bytes in flight with a deeper ring: the alternative to splitting K
+    that ``benchmarks/kernels.py --only linear`` times, variant ``linear_deep``)."""
     M, K = x.shape
     N = w.shape[-1]
     if M > MAX_ROWS or w.shape[-2] != K or w.dtype != x.dtype or not fits(K, N, x.dtype):
@@ -95,10 +100,13 @@ def linear_small(x: jax.Array, w: jax.Array, layer: jax.Array | None = None, *, 
     first = jnp.int32(0) if layer is None else jnp.asarray(layer, jnp.int32) * S
     tiles = jnp.concatenate([first + jnp.repeat(jnp.arange(S, dtype=jnp.int32), per),
                              jnp.array([S * per], jnp.int32)])
-    xp = jnp.pad(x, ((0, Mp - M), (0, 0)))
+    xp = x if Mp == M else jnp.pad(x, ((0, Mp - M), (0, 0)))
+    kw = dict(block_rows=R, stages=stages, interpret=interpret)
+    if S == 1:  # the [Mp, N] result in row order and x's dtype, as the MoE small path stores it: no epilogue
+        y = grouped_gemm_small(xp, stack, tiles, **kw)
+        return y if Mp == M else y[:M]
     xs = xp.reshape(Mp, S, K // S).transpose(1, 0, 2).reshape(S * Mp, K // S)  # split s: rows [s Mp, (s+1) Mp)
     # fp32 [N, S * Mp]: each program's [64, R] accumulator stored as it is; the splits' sum and the
     # transpose are one small XLA fusion (N * S * Mp * 4 bytes: ~3% of the weight's at K = 2048, M = 8)
-    y_t = grouped_gemm_small(xs, stack, tiles, block_rows=R, transposed_out=True, out_dtype=jnp.float32,
-                             interpret=interpret)
+    y_t = grouped_gemm_small(xs, stack, tiles, transposed_out=True, out_dtype=jnp.float32, **kw)
     return y_t.reshape(N, S, Mp).sum(axis=1)[:, :M].T.astype(x.dtype)

@@ -30,15 +30,18 @@ def close(got, want, what):
 
 
 @settings(max_examples=6, deadline=None, database=None)
-@given(m=st.sampled_from([1, 5, 8, 13, 32, 40]), splits=st.sampled_from([1, 2, 4]), seed=st.integers(0, 99))
-def test_matches_float64(m, splits, seed):
-    """Any row count up to MAX_ROWS (one or several row tiles, padding rows) and K split 1 / 2 / 4
-    ways give x @ w: the padding rows never reach the result, the splits sum to the whole K."""
+@given(m=st.sampled_from([1, 5, 8, 13, 32, 40]), splits=st.sampled_from([1, 2, 4]), stages=st.sampled_from([2, 4, 12]),
+       seed=st.integers(0, 99))
+def test_matches_float64(m, splits, stages, seed):
+    """Any row count up to MAX_ROWS (one or several row tiles, padding rows), K split 1 / 2 / 4
+    ways (one split: stored in row order; several: fp32 partials) and any ring depth (12: more
+    buffers than K steps) give x @ w: the padding rows never reach the result, the splits sum to
+    the whole K."""
     rng = np.random.default_rng(seed)
     K, N = 256, 128
     x = rng.standard_normal((m, K)).astype(np.float32)
     w = rng.standard_normal((K, N)).astype(np.float32)
-    y = ls.linear_small(jnp.asarray(x), jnp.asarray(w), num_splits=splits, interpret=True)
+    y = ls.linear_small(jnp.asarray(x), jnp.asarray(w), num_splits=splits, stages=stages, interpret=True)
     assert y.shape == (m, N) and y.dtype == jnp.float32
     close(y, oracle(x, w), f"m={m} splits={splits}")
 
