@@ -40,10 +40,10 @@ Cost model (decode): the kernel must read every visible K/V byte once,
 ``sum(len_b) * nkv * hd * 2 * itemsize``; FLOPs are ``4 * sum(len_b) * nh * hd`` (the WGMMAs do
 ``64 / G`` times that: padding rows), far below the tensor cores' rate, so the floor is the K/V
 bytes over HBM bandwidth (about 4.0e12 B/s on the H200). benchmarks/kernels.py times it against
-that floor (suite ``paged_attention``); benchmarks/gpu_check.py checks it at model shapes. Neither
-has run on a GPU yet: correctness is established in the GPU interpreter (tests), and the GPU code
-path is lowered through Mosaic GPU for sm_90 on the CPU in the tests (layouts, transforms, TMA
-shapes, SMEM budget), but never compiled to SASS or timed.
+that floor (suite ``paged_attention``); benchmarks/gpu_check.py checks it at model shapes (passed
+on the H200; ``jaxserve.models.backends`` says when, and benchmarks/RESULTS.md has the times). The
+tests check it in the GPU interpreter and lower it for sm_90 on the CPU (layouts, transforms, TMA
+shapes, SMEM budget).
 
 Contract: ``64 % page_size == 0`` and ``page_size % 8 == 0`` (a page lands on whole 8-row SMEM
 tiles: page sizes 8, 16, 32, 64); ``head_dim % 64 == 0`` (128 and 256 are the targets; WGMMA N and
