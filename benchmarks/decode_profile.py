@@ -130,9 +130,10 @@ def prefill_breakdown(engine, length: int, seed: int, hlo_out: Path | None = Non
 
 
 def named_breakdown(engine, per, program, hlo_out: Path | None) -> dict:
-    """``profiling.summarize`` of ``per`` (16 costliest kernels) plus the kernel count per call and
+    """``profiling.summarize`` of ``per`` (16 costliest kernels) plus the kernel count per call,
     each costly kernel's JAX ops (``profiling.hlo_sources`` over ``program``'s optimised HLO, which
-    is also written to ``hlo_out`` if given)."""
+    is also written to ``hlo_out`` if given) and every kernel's time charged to its model scope
+    (``profiling.scope_totals``)."""
     from jaxserve import profiling
     from jaxserve.engine import runner
 
@@ -147,6 +148,7 @@ def named_breakdown(engine, per, program, hlo_out: Path | None) -> dict:
     if hlo_out is not None:
         hlo_out.write_text(text)
     res["ops"] = profiling.hlo_sources(text, res["kernel_breakdown_ms"])
+    res["scopes"] = profiling.scope_totals(text, per)
     return res
 
 

@@ -162,6 +162,7 @@ def _prefill_y(x, weight, bias, cu_seqlens, init, *, activation, block_t, block_
     f32 = jnp.float32
     kernel = plgpu.kernel(
         functools.partial(_prefill_kernel, block_t=block_t, block_c=block_c, activation=activation),
+        kernel_name="conv1d_prefill",
         out_type=jax.ShapeDtypeStruct((Tp, C), x.dtype),
         grid=(C // block_c, Tp // block_t),
         grid_names=("c", "t"),
@@ -239,6 +240,7 @@ def causal_conv1d_update_pallas(x, state, weight, bias=None, activation="silu", 
     bias = jnp.zeros((C,), f32) if bias is None else bias.astype(f32)
     kernel = plgpu.kernel(
         functools.partial(_update_kernel, block_c=block_c, activation=activation),
+        kernel_name="conv1d_update",
         out_type=(jax.ShapeDtypeStruct((B, C), x.dtype), jax.ShapeDtypeStruct((B, C, K - 1), f32)),
         grid=(B, C // block_c),
         grid_names=("b", "c"),

@@ -350,7 +350,8 @@ def launch_fused(body, scratch, gate_inputs, q, k, v, cu_seqlens, initial_state,
     req_seq, row, slot_of_chunk = _layout_requests(layout, cu_seqlens, snapshot_seq, snapshot_len,
                                                    max_chunks, CHUNK)
     kernel = chunk_kernel(body, scratch, num_seqs=cu_seqlens.shape[0] - 1, num_rows=req_seq.shape[0],
-                          max_chunks=max_chunks, Hv=Hv, dv=dv, dk=dk, block_dv=BLOCK_DV, interpret=interpret)
+                          max_chunks=max_chunks, Hv=Hv, dv=dv, dk=dk, block_dv=BLOCK_DV, interpret=interpret,
+                          name="delta_chunk_fused")
     ot, states_t = kernel(layout.first_chunk.astype(jnp.int32), layout.num_chunks.astype(jnp.int32),
                           slot_of_chunk, jnp.swapaxes(initial_state, -1, -2),
                           grid(q.astype(mm)), grid(k.astype(mm)), grid(v.astype(mm)), *gate_inputs(grid))

@@ -277,7 +277,7 @@ def _layout_requests(layout, cu_seqlens, snapshot_seq, snapshot_len, max_chunks,
 PREP_PRECISIONS = {"highest": lax.Precision.HIGHEST, "default": None}
 
 
-def chunk_kernel(body, scratch, *, num_seqs, num_rows, max_chunks, Hv, dv, dk, block_dv, interpret):
+def chunk_kernel(body, scratch, *, num_seqs, num_rows, max_chunks, Hv, dv, dk, block_dv, interpret, name="delta_chunk"):
     """The chunked kernels' launch (this module's and ``gdn_chunk_fused`` / ``kda_chunk_fused``): one
     program per (sequence ``n``, value head ``h``, ``block_dv`` state columns ``j``); outputs ``oᵀ``
     on the chunk grid ``[max_chunks, Hv, dv, 64]`` and the compact transposed requested states
@@ -285,6 +285,7 @@ def chunk_kernel(body, scratch, *, num_seqs, num_rows, max_chunks, Hv, dv, dk, b
     f32 = jnp.float32
     return plgpu.kernel(
         body,
+        kernel_name=name,
         out_type=(jax.ShapeDtypeStruct((max_chunks, Hv, dv, CHUNK), f32),
                   jax.ShapeDtypeStruct((num_rows, Hv, dv, dk), f32)),
         grid=(num_seqs, Hv, dv // block_dv),

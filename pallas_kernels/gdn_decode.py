@@ -356,6 +356,7 @@ def _pool_step(slots, write_slots, keep, q, k, v, g, beta, state_pool, *, scale,
         grid, grid_names = (B, Hv, dv // block_dv), ("b", "h", "j")
     kernel = plgpu.kernel(
         body,
+        kernel_name="gdn_decode",
         out_type=jax.ShapeDtypeStruct((B, Hv, dv), v.dtype),
         grid=grid,
         grid_names=grid_names,

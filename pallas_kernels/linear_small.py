@@ -101,7 +101,7 @@ def linear_small(x: jax.Array, w: jax.Array, layer: jax.Array | None = None, *, 
     tiles = jnp.concatenate([first + jnp.repeat(jnp.arange(S, dtype=jnp.int32), per),
                              jnp.array([S * per], jnp.int32)])
     xp = x if Mp == M else jnp.pad(x, ((0, Mp - M), (0, 0)))
-    kw = dict(block_rows=R, stages=stages, interpret=interpret)
+    kw = dict(block_rows=R, stages=stages, name="linear_small", interpret=interpret)
     if S == 1:  # the [Mp, N] result in row order and x's dtype, as the MoE small path stores it: no epilogue
         y = grouped_gemm_small(xp, stack, tiles, **kw)
         return y if Mp == M else y[:M]

@@ -388,6 +388,7 @@ def _read_blocks(layer_arr, tiles, page_table, q2, k_pool, v_pool, *, group, tq,
                              window=window, scale=hd ** -0.5, interpret=interpret)
     kernel = plgpu.kernel(
         body,
+        kernel_name="paged_attention",
         out_type=(jax.ShapeDtypeStruct((num_splits, n_tiles, nkv, out_rows, hd), jnp.float32),
                   jax.ShapeDtypeStruct((num_splits, n_tiles, nkv, out_rows), jnp.float32),
                   jax.ShapeDtypeStruct((num_splits, n_tiles, nkv, out_rows), jnp.float32)),

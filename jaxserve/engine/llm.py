@@ -152,25 +152,26 @@ def _compile_all(args: EngineArgs, compiler: startup.StepCompiler, loaded: Calla
     Which programs run: with a measured reserve (a device that reports its memory), all of them, so
     the largest steps have run for real before the port opens (on a GPU that costs seconds). On a
     CPU only the smallest of each kind: enough to prove the ahead-of-time executables are the ones
-    ``step`` runs (a step compile during the warm-up would mean they are not), where running the
+    ``step`` runs (a step or sampler compile during the warm-up would mean they are not), where running the
     8192-token step of even the 7 M-parameter default model takes many seconds."""
     cfg, buckets = compiler.cfg, memory.buckets
-    programs = buckets.programs()
-    t0, hits0 = time.perf_counter(), startup.cache_hits()
-    mems = startup.compile_programs(compiler, startup.pool_structs(cfg, dtype, plan), programs,
+    programs, samples = buckets.programs(), buckets.sample_programs()
+    t0, hits0 = time.perf_counter(), startup.step_cache_hits()
+    mems = startup.compile_programs(compiler, startup.pool_structs(cfg, dtype, plan), programs, samples=samples,
                                     workers=args.compile_workers or startup.default_compile_workers(),
                                     progress=args.progress)
-    hits, t1 = startup.cache_hits() - hits0, time.perf_counter()
+    hits, t1 = startup.step_cache_hits() - hits0, time.perf_counter()
     params = loaded()
     placement = compiler.placement
     pools = init_pools(plan, cfg, dtype, None if placement is None else placement.pools)
-    before = startup.step_compiles()
+    before = startup.step_compiles() + startup.sample_compiles()
     run = programs if memory.reserve_bytes else [next(p for p in programs if p[3] == kind) for kind in (False, True)]
     pools = warmup(params, cfg, pools, buckets, programs=run, placement=placement)
-    again = startup.step_compiles() - before
+    again = startup.step_compiles() + startup.sample_compiles() - before
     largest = max((m for m in mems if m is not None), key=lambda m: m.need_bytes, default=None)
-    msg = (f"compiled {len(programs)} step programs in {t1 - t0:.1f}s ({hits} loaded from the compile cache), "
-           f"ran {'each' if run == programs else f'{len(run)} of them'} once in {time.perf_counter() - t1:.1f}s")
+    msg = (f"compiled {len(programs)} step programs in {t1 - t0:.1f}s ({hits} loaded from the compile cache) and "
+           f"{len(samples)} sampler programs, ran {'each' if run == programs else f'{len(run)} of them'} once in "
+           f"{time.perf_counter() - t1:.1f}s")
     if largest is not None:
         msg += f"; the largest: {largest.describe()} beside params and pools"
         if memory.reserve_bytes:
@@ -180,8 +181,8 @@ def _compile_all(args: EngineArgs, compiler: startup.StepCompiler, loaded: Calla
         _log(args, f"WARNING: {largest.describe()}, more than the {startup.fmt_bytes(memory.reserve_bytes)} reserved "
                    f"from {memory.probe.describe()}: steps may run out of memory under load")
     if again:
-        _log(args, f"WARNING: {again} step programs compiled again at warm-up (the ahead-of-time compile missed "
-                   f"their cache keys: runner.lower_step no longer matches runner.step)")
+        _log(args, f"WARNING: {again} step or sampler programs compiled again at warm-up (the ahead-of-time compile "
+                   f"missed their cache keys: runner.lower_step / lower_sample no longer match runner.step)")
     return params, pools
 
 

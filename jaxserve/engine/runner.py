@@ -5,7 +5,8 @@
 The host (scheduler, radix tree) only chooses indices: which tokens at which positions, which
 pages and slots each row reads and writes, which slots receive snapshots. ``make_batch`` turns
 that into a ``Batch`` of numpy arrays padded to a bucket; ``step`` runs the model over the ragged
-batch with state in the pools and samples one token per row from the row's last token.
+batch with state in the pools and samples one token per row from the row's last token (two
+programs: the model's, then the sampler's, ``sample_logits``).
 
 What a step does to the pools, and why it is safe to overlap with host bookkeeping (ARCHITECTURE.md
 invariant 3: the next step's input is this step's output, so device work is ordered by data):
@@ -27,8 +28,9 @@ B = min(T, max_seqs) rows; a pure-decode step (every row exactly one token) take
 with T = B padded to ``Buckets.seqs`` (one query per row, one-step recurrent GDN); S (snapshots)
 pads to one of the few sizes ``Buckets.snapshot_sizes(T, decode)`` allows that shape. The page-table
 width is fixed per engine. So a server compiles exactly ``Buckets.programs()`` (|tokens| + at most
-2·|seqs|). A server compiles them all before it serves (jaxserve/engine/startup.py, through
-``lower_step``, which lowers a program exactly as ``step`` calls it), so no request waits for a
+2·|seqs|), and a sampler program per row count and mode (``Buckets.sample_programs()``). A
+server compiles them all before it serves (jaxserve/engine/startup.py, through ``lower_step`` and
+``lower_sample``, which lower a program exactly as ``step`` calls it), so no request waits for a
 compile; ``compile_count()`` says how many step programs have run.
 """
 
@@ -42,7 +44,6 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine.pools import allocate
@@ -50,7 +51,7 @@ from jaxserve.models import decoder, vision
 from jaxserve.models.decoder import Pools
 from jaxserve.multimodal.prompt import window_rows
 from jaxserve.models.layers import KEY_BLOCK
-from jaxserve.sampler import sample
+from jaxserve import sampler
 
 
 class Batch(NamedTuple):
@@ -150,6 +151,11 @@ class Buckets:
         """Every (T, B, S, decode) this bucket set can produce, largest steps last per kind."""
         mixed = [(t, self.rows_for(t), s, False) for t in self.tokens for s in self.snapshot_sizes(t, False)]
         return mixed + [(b, b, s, True) for b in self.seqs for s in self.snapshot_sizes(b, True)]
+
+    def sample_programs(self) -> list[tuple[int, str]]:
+        """Every (B, mode) of the sampler program that follows a step (``runner.sample_logits``):
+        each row count of ``programs()`` in each ``sampler.MODES``."""
+        return [(B, mode) for B in sorted({B for _, B, _, _ in self.programs()}) for mode in sampler.MODES]
 
     def with_max_tokens(self, max_tokens: int) -> "Buckets":
         """The same buckets with T capped at ``max_tokens`` (one of ``tokens``): a lower prefill budget."""
@@ -276,20 +282,18 @@ def is_decode(batch: Batch) -> bool:
     return batch.tokens.shape[0] == cu.shape[0] - 1 and bool(np.all(np.diff(cu) == 1))
 
 
-@partial(jax.jit, static_argnames=("cfg", "decode", "return_logits"), donate_argnames=("pools", "feed_tokens"))
-def _step(params, cfg: ModelConfig, pools: Pools, batch: Batch, feed_tokens: jax.Array, decode: bool,
-          return_logits: bool, image_table=None):
+@partial(jax.jit, static_argnames=("cfg", "decode"), donate_argnames=("pools",))
+def _step(params, cfg: ModelConfig, pools: Pools, batch: Batch, feed_tokens: jax.Array, decode: bool, image_table=None):
+    """The model's part of a step: (logits [B, V] fp32 of each row's last token, pools). Reads
+    ``feed_tokens`` without donating it: the sampler program that follows (``sample_logits``)
+    writes the next buffer in place of it. Sampling is a program of its own so that its mode (an
+    all-greedy batch skips the vocabulary sort) is chosen per step without a second model compile."""
     tokens_in = jnp.where(batch.feed >= 0, feed_tokens[jnp.maximum(batch.feed, 0)], batch.tokens)
     read_slot = jnp.where(batch.restore_src != 0, batch.restore_src, batch.slot)
     r = decoder.make_ragged(batch.positions, batch.cu_seqlens, batch.context_len, batch.page_table, read_slot,
                             batch.slot, batch.snap_seq, batch.snap_len, batch.snap_dst)
     images = None if image_table is None else decoder.Images(batch.image_row, *image_table, batch.rope_pos)
-    logits, pools = decoder.forward_ragged(params, cfg, tokens_in, r, pools, decode=decode, images=images)
-    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(batch.seed, batch.sample_idx)
-    with jax.named_scope("sample"):
-        tokens, logprobs = sample(logits, keys, batch.temperature, batch.top_k, batch.top_p)
-    feed_out = lax.dynamic_update_slice(feed_tokens, tokens[: feed_tokens.shape[0]], (0,))
-    return StepOutput(tokens, logprobs, feed_out, logits if return_logits else None), pools
+    return decoder.forward_ragged(params, cfg, tokens_in, r, pools, decode=decode, images=images)
 
 
 class Placement:
@@ -308,9 +312,10 @@ class Placement:
         self.pools = pool_shardings
         self.mesh = pool_shardings.k.mesh
         self.replicated = rep = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-        self.step = jax.jit(_step.__wrapped__, static_argnames=("cfg", "decode", "return_logits"),
-                            donate_argnames=("pools", "feed_tokens"),
+        self.step = jax.jit(_step.__wrapped__, static_argnames=("cfg", "decode"), donate_argnames=("pools",),
                             in_shardings=(self.params, self.pools, rep, rep, rep), out_shardings=(rep, self.pools))
+        self.sample = jax.jit(sampler.sample_rows, static_argnames=("mode",), donate_argnames=("feed_tokens",),
+                              in_shardings=rep, out_shardings=rep)
         _PLACED.append(self.step)
 
     def abstract(self, params, pools, rest):
@@ -334,17 +339,42 @@ def step(params, cfg: ModelConfig, pools: Pools, batch: Batch, *, feed_tokens: j
     are read from it on the device, so a token sampled by one step reaches the next without a trip
     through the host (overlapped scheduling). Its length is part of the compiled program's shape:
     the executor keeps it fixed (``feed_buffer``); None means no feeds (a fresh buffer of B).
-    ``placement``: the step of a model split over a mesh (``Placement``)."""
+    ``placement``: the step of a model split over a mesh (``Placement``).
+
+    Two programs run: the model (``_step``, one per ``Buckets.programs()`` entry) and the sampler
+    (``sampler.sample_rows``, one per row count and ``sampler.sample_mode`` of the batch, read
+    from its host temperatures: an all-greedy batch skips the sort and the PRNG)."""
     if feed_tokens is None:
         feed_tokens = feed_buffer(batch.cu_seqlens.shape[0] - 1)
     if cfg.vision is not None and image_table is None:
         image_table = empty_image_table(cfg, params, batch.tokens.shape[0])
+    decode, mode = is_decode(batch), sampler.sample_mode(batch.temperature)
     if placement is None:
-        return _step(params, cfg, pools, batch, feed_tokens, is_decode(batch), return_logits, image_table)
-    decode = is_decode(batch)
+        logits, pools = _step(params, cfg, pools, batch, feed_tokens, decode, image_table)
+    else:
+        with jax.set_mesh(placement.mesh):
+            batch, feed_tokens, image_table = jax.device_put((batch, feed_tokens, image_table), placement.replicated)
+            logits, pools = placement.step(params, cfg, pools, batch, feed_tokens, decode, image_table)
+    tokens, logprobs, feed_out = sample_logits(logits, batch, feed_tokens, mode, placement)
+    return StepOutput(tokens, logprobs, feed_out, logits if return_logits else None), pools
+
+
+def _sample_args(batch: Batch) -> tuple:
+    """The batch's per-row sampling fields, in ``sampler.sample_rows``' order."""
+    return batch.seed, batch.sample_idx, batch.temperature, batch.top_k, batch.top_p
+
+
+def sample_logits(logits: jax.Array, batch: Batch, feed_tokens: jax.Array, mode: str,
+                  placement: Placement | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(tokens, logprobs, feed_out) of ``batch``'s rows from a step's ``logits``, through the sampler
+    program of ``mode`` (``sampler.sample_mode(batch.temperature)`` unless a caller knows better);
+    ``feed_tokens`` is donated. Under a placement it runs on the replicated logits under the mesh,
+    its inputs committed replicated as the step's are (``lower_sample`` lowers exactly this call)."""
+    if placement is None:
+        return sampler.sample_step(logits, feed_tokens, *_sample_args(batch), mode)
     with jax.set_mesh(placement.mesh):
-        batch, feed_tokens, image_table = jax.device_put((batch, feed_tokens, image_table), placement.replicated)
-        return placement.step(params, cfg, pools, batch, feed_tokens, decode, return_logits, image_table)
+        feed_tokens, rest = jax.device_put((feed_tokens, _sample_args(batch)), placement.replicated)
+        return placement.sample(logits, feed_tokens, *rest, mode)
 
 
 def empty_image_table(cfg: ModelConfig, params, T: int):
@@ -363,8 +393,9 @@ def feed_buffer(size: int) -> jax.Array:
 
 def compile_count() -> int:
     """Step programs this process has run so far (all models, all buckets): entries of the step's
-    dispatch cache. A program compiled ahead of time (``lower_step``) counts once a step runs it;
-    ``startup.step_compiles()`` counts XLA compiles instead."""
+    dispatch cache (the sampler's programs are not counted). A program compiled ahead of time
+    (``lower_step``) counts once a step runs it; ``startup.step_compiles()`` counts XLA compiles
+    instead."""
     return _step._cache_size() + sum(f._cache_size() for f in _PLACED)
 
 
@@ -373,10 +404,16 @@ def warmup(params, cfg: ModelConfig, pools: Pools, buckets: Buckets, programs=No
     """Run each of ``programs`` (default: all of ``buckets.programs()``) once on all-padding batches,
     compiling those not compiled yet (``startup.compile_programs`` compiles them ahead of time, so
     then this only runs them): they write only the null page and null slot, so live pools are safe
-    to pass. Returns the pools."""
+    to pass. The padding batches are greedy; the logits of the first program of each row count also
+    go through the ``FULL`` sampler, so both sampler programs of every B run too. Returns the pools."""
+    seen = set()
     for T, B, S, decode in programs or buckets.programs():
         batch = padding_batch(T, B, S, buckets.pages_per_seq, decode)
-        out, pools = step(params, cfg, pools, batch, feed_tokens=feed_buffer(buckets.seqs[-1]), placement=placement)
+        out, pools = step(params, cfg, pools, batch, feed_tokens=feed_buffer(buckets.seqs[-1]), return_logits=True,
+                          placement=placement)
+        if B not in seen:  # the same logits through the other sampler program
+            seen.add(B)
+            sample_logits(out.logits, batch, feed_buffer(buckets.seqs[-1]), sampler.FULL, placement)
     jax.block_until_ready(pools)
     return pools
 
@@ -403,10 +440,28 @@ def lower_step(params, cfg: ModelConfig, pools: Pools, buckets: Buckets, program
     feed = jax.eval_shape(lambda: feed_buffer(buckets.seqs[-1]))
     table = None if cfg.vision is None else jax.eval_shape(lambda: empty_image_table(cfg, params, T))
     if placement is None:
-        return _step.lower(_abstract(params), cfg, _abstract(pools), _abstract(batch), feed, decode, False, table)
+        return _step.lower(_abstract(params), cfg, _abstract(pools), _abstract(batch), feed, decode, table)
     params, pools, (batch, feed, table) = placement.abstract(params, pools, (batch, feed, table))
     with jax.set_mesh(placement.mesh):
-        return placement.step.lower(params, cfg, pools, batch, feed, decode, False, table)
+        return placement.step.lower(params, cfg, pools, batch, feed, decode, table)
+
+
+def lower_sample(cfg: ModelConfig, buckets: Buckets, program: tuple[int, str],
+                 placement: Placement | None = None) -> jax.stages.Lowered:
+    """Lower the sampler program ``program`` = (B, mode) (``Buckets.sample_programs()``) ahead of
+    time, exactly as ``sample_logits`` calls it from ``step``: logits [B, vocab] fp32, the feed
+    buffer of ``warmup`` / ``DeviceExecutor`` and a padding batch's sampling fields. The same
+    invariant as ``lower_step``: a later call with arrays of these shapes compiles nothing."""
+    B, mode = program
+    logits = jax.ShapeDtypeStruct((B, cfg.vocab_size), jnp.float32)
+    feed = jax.eval_shape(lambda: feed_buffer(buckets.seqs[-1]))
+    rest = _abstract(_sample_args(padding_batch(B, B, 0, buckets.pages_per_seq, True)))
+    if placement is None:
+        return sampler.sample_step.lower(logits, feed, *rest, mode)
+    logits, feed, rest = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placement.replicated),
+                                      (logits, feed, rest))
+    with jax.set_mesh(placement.mesh):
+        return placement.sample.lower(logits, feed, *rest, mode)
 
 class DeviceExecutor:
     """The engine's ``Executor`` protocol (jaxserve/engine/engine.py) over real pools.

@@ -13,14 +13,15 @@ prefill token budget drops to the largest token bucket that fits (one log line s
 fails with one line saying what does not fit.
 
 Compiling (``StepCompiler``, ``compile_programs``). Every program a server can run is
-``Buckets.programs()``. They are compiled ahead of time (``runner.lower_step`` lowers each exactly
-as ``runner.step`` calls it, so the executables land in the cache that serving then hits) before
-the pools are allocated (so XLA's autotuning has the memory the pools will take), then
-``runner.warmup`` runs them once on the real pools (all of them where a reserve was measured, so
-the largest steps run for real before the port opens; on a CPU the smallest of each kind): a step
-compile during it would mean the ahead-of-time keys missed (counted, and logged). The probe's
-executable (compiled against the probe pools) is the one program compiled twice when the pools
-come from a budget; with explicit pool sizes it is reused.
+``Buckets.programs()`` (the model) and ``Buckets.sample_programs()`` (the sampler that follows it,
+per row count and mode: tiny). They are compiled ahead of time (``runner.lower_step`` and
+``runner.lower_sample`` lower each exactly as ``runner.step`` calls it, so the executables land in
+the cache that serving then hits) before the pools are allocated (so XLA's autotuning has the
+memory the pools will take), then ``runner.warmup`` runs them once on the real pools (all of them
+where a reserve was measured, so the largest steps run for real before the port opens; on a CPU
+the smallest of each kind): a step or sampler compile during it would mean the ahead-of-time keys
+missed (counted, and logged). The probe's executable (compiled against the probe pools) is the one
+program compiled twice when the pools come from a budget; with explicit pool sizes it is reused.
 
 Cache (``enable_compile_cache``). JAX's persistent compilation cache keeps executables on disk
 (default ``~/.cache/jaxserve/xla``; ``JAXSERVE_COMPILE_CACHE=DIR`` or ``off``), so a second start
@@ -35,12 +36,14 @@ import os
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence
 
 import jax
 import numpy as np
 
+from jaxserve import sampler
 from jaxserve.config import ModelConfig
 from jaxserve.engine import runner
 from jaxserve.engine.pools import PoolPlan, minimal_pool_bytes, plan_pools
@@ -73,25 +76,36 @@ def with_margin(need: int) -> int:
 
 class _CompileEvents:
     """Process-wide counts of XLA backend compiles (a persistent-cache load counts too: it is what
-    a request would wait for), of those of the serving step, and of persistent-cache hits, from
-    ``jax.monitoring``."""
+    a request would wait for), of those of the serving step and of its sampler, and of
+    persistent-cache hits (all, and the serving step's), from ``jax.monitoring``.
+
+    A cache hit is told to the listeners, in the compiling thread, before that compile's duration
+    event, which names the function: a thread-local flag pairs the two."""
 
     def __init__(self):
         self.compiles = 0
         self.step_compiles = 0
+        self.sample_compiles = 0
         self.cache_hits = 0
+        self.step_cache_hits = 0
         self._lock = threading.Lock()
+        self._hit = threading.local()
         jax.monitoring.register_event_duration_secs_listener(self._on_duration)
         jax.monitoring.register_event_listener(self._on_event)
 
     def _on_duration(self, event: str, duration: float, fun_name: str = "", **_) -> None:
         if event == "/jax/core/compile/backend_compile_duration":
+            hit, self._hit.value = getattr(self._hit, "value", False), False
+            step = fun_name == f"jit({runner._step.__name__})"
             with self._lock:
                 self.compiles += 1
-                self.step_compiles += fun_name == f"jit({runner._step.__name__})"
+                self.step_compiles += step
+                self.sample_compiles += fun_name == f"jit({sampler.sample_rows.__name__})"
+                self.step_cache_hits += step and hit
 
     def _on_event(self, event: str, **_) -> None:
         if event == "/jax/compilation_cache/cache_hits":
+            self._hit.value = True
             with self._lock:
                 self.cache_hits += 1
 
@@ -107,6 +121,16 @@ def backend_compiles() -> int:
 def step_compiles() -> int:
     """Of ``backend_compiles()``, those of the serving step (``runner._step``)."""
     return _events.step_compiles
+
+
+def sample_compiles() -> int:
+    """Of ``backend_compiles()``, those of the step's sampler (``sampler.sample_rows``)."""
+    return _events.sample_compiles
+
+
+def step_cache_hits() -> int:
+    """Of ``cache_hits()``, the serving step's."""
+    return _events.step_cache_hits
 
 
 def cache_hits() -> int:
@@ -185,7 +209,8 @@ def _nbytes(tree, shardings=None) -> int:
 
 
 class StepCompiler:
-    """Ahead-of-time compiles of one model's step programs (``runner.lower_step``). Under a
+    """Ahead-of-time compiles of one model's step programs (``runner.lower_step``) and of the
+    sampler programs that follow them (``runner.lower_sample``). Under a
     ``placement`` (a model split over a mesh) every byte count is one device's: XLA's memory
     analysis of a sharded program is per device, and so are the budget and the plan."""
 
@@ -201,6 +226,10 @@ class StepCompiler:
         pool_bytes = _nbytes(pools, None if self.placement is None else self.placement.pools)
         return step_memory(compiled, program, self.param_bytes, pool_bytes, time.perf_counter() - t0)
 
+    def compile_sample(self, program: tuple[int, str]) -> None:
+        """Compile the sampler program ``program`` = (B, mode) (``Buckets.sample_programs()``)."""
+        runner.lower_sample(self.cfg, self.buckets, program, self.placement).compile()
+
 
 def default_compile_workers() -> int:
     """Step programs compiled at once when the user does not say: half the CPU cores, at most 8.
@@ -211,23 +240,31 @@ def default_compile_workers() -> int:
     return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
-def compile_programs(compiler: StepCompiler, pools: Pools, programs: Sequence, *, workers: int = 1,
-                     progress: bool = True) -> list[StepMemory | None]:
-    """Compile every program of ``programs`` against ``pools``' shapes, ``workers`` at a time (XLA
-    compiles outside the GIL), with a progress bar on stderr. Returns their memory, in order."""
+def compile_programs(compiler: StepCompiler, pools: Pools, programs: Sequence, *, samples: Sequence = (),
+                     workers: int = 1, progress: bool = True) -> list[StepMemory | None]:
+    """Compile every step program of ``programs`` against ``pools``' shapes, then every sampler
+    program of ``samples`` (``Buckets.sample_programs()``), ``workers`` at a time (XLA compiles
+    outside the GIL), with one progress bar on stderr over both. Returns the step programs' memory,
+    in order."""
     from tqdm import tqdm
 
-    with tqdm(total=len(programs), desc=f"compiling {len(programs)} step programs", unit="program",
-              file=sys.stderr, disable=not progress, leave=True) as bar:
-        def one(program):
-            mem = compiler.compile(program, pools)
+    desc = f"compiling {len(programs)} step programs" + (f" and {len(samples)} sampler programs" if samples else "")
+    with tqdm(total=len(programs) + len(samples), desc=desc, unit="program", file=sys.stderr,
+              disable=not progress, leave=True) as bar:
+        def one(compile_one, program):
+            out = compile_one(program)
             bar.update(1)
-            return mem
+            return out
 
-        if workers <= 1:
-            return [one(p) for p in programs]
-        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxserve-compile") as ex:
-            return list(ex.map(one, programs))
+        def each(compile_one, items) -> list:
+            if workers <= 1:
+                return [one(compile_one, p) for p in items]
+            with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxserve-compile") as ex:
+                return list(ex.map(partial(one, compile_one), items))
+
+        mems = each(lambda program: compiler.compile(program, pools), programs)
+        each(compiler.compile_sample, samples)
+        return mems
 
 
 # ------------------------------------------------------------------------------------------ memory

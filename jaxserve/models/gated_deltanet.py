@@ -174,7 +174,10 @@ def _decode_in_pool(cfg: ModelConfig, q, k, v, g, beta, pool: jax.Array, layer: 
                                          write_slots=r.write_slot, fresh=fresh,
                                          interpret=backends.interpret(cfg))
     if S:
-        after = pool[layer, r.write_slot[seq]]
+        # materialised before the snapshot scatter: a gather from the pool fused into the scatter
+        # that updates it made XLA copy the whole pool first (three 3.6 GB copies per scanned
+        # period of the real-size model's 2-snapshot decode step on the H100: ~53 ms of its ~62)
+        after, pool = jax.lax.optimization_barrier((pool[layer, r.write_slot[seq]], pool))
         snaps = jnp.where((r.snap_len > 0).reshape(-1, 1, 1, 1), after, before)
         pool = pool.at[layer, r.snap_dst].set(snaps)
     return o, pool
@@ -204,10 +207,12 @@ def project(p: dict, cfg: ModelConfig, x: jax.Array):
         a = f + p["dt_bias"].astype(jnp.float32)
         g = -jnp.exp(p["A_log"].astype(jnp.float32))[:, None] * jax.nn.softplus(a)
         return mixed, z, beta, g
-    mixed = linear(x, p["in_proj_qkv"])
-    z = linear(x, p["in_proj_z"]).reshape(T, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
-    beta = jax.nn.sigmoid(linear(x, p["in_proj_b"]).astype(jnp.float32))
-    a = linear(x, p["in_proj_a"]).astype(jnp.float32)
+    hv = cfg.linear_num_value_heads
+    # one product; the pieces cut back out (shard-major under TP: ``mixed`` stays shard-major over q k v)
+    mixed, z, b, a = split_shards(linear(x, p["in_proj"]), (cfg.linear_conv_dim, cfg.linear_value_dim, hv, hv))
+    z = z.reshape(T, hv, cfg.linear_value_head_dim)
+    beta = jax.nn.sigmoid(b.astype(jnp.float32))
+    a = a.astype(jnp.float32)
     g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a + p["dt_bias"].astype(jnp.float32))
     return mixed, z, beta, g
 

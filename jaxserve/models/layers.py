@@ -327,25 +327,34 @@ def use_attention_kernel(cfg: ModelConfig, act_dtype, page_size: int) -> bool:
 
 
 def mlp(p: dict, x: jax.Array) -> jax.Array:
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
-    return linear(jax.nn.silu(linear(x, p["gate_proj"])) * linear(x, p["up_proj"]), p["down_proj"])
+    """SwiGLU: down(silu(gate(x)) * up(x)). ``gate_up_proj`` [in, 2I] holds gate's columns, then
+    up's (shard-major under TP), so both come from one product, cut apart here."""
+    gate_up = linear(x, p["gate_up_proj"])
+    inter = gate_up.shape[-1] // 2
+    gate, up = split_shards(gate_up, (inter, inter))
+    return linear(jax.nn.silu(gate) * up, p["down_proj"])
 
 
-def route(p: dict, cfg: ModelConfig, xt: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(weights [n, k] fp32, expert ids [n, k]) of each token. Qwen: softmax over the experts,
-    top-k, optionally renormalised. Kimi-Linear (``router_scoring == "sigmoid"``, DeepSeek-V3's
-    scheme): sigmoid scores in fp32; the choice adds the per-expert bias and keeps only the
-    ``topk_groups`` groups whose two best biased scores sum highest; the weights are the unbiased
-    scores of the chosen experts, renormalised (``norm_topk_prob``) and scaled."""
+def route(p: dict, cfg: ModelConfig, xt: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """(weights [n, k] fp32, expert ids [n, k], the shared expert's gate logit [n, 1] or None) of
+    each token. ``router`` is [H, E], or [H, E + 1] with ``shared_expert_gate`` (Qwen): the gate's
+    column last, so one product gives both (params.py). Qwen: softmax over the experts, top-k,
+    optionally renormalised. Kimi-Linear (``router_scoring == "sigmoid"``, DeepSeek-V3's scheme):
+    sigmoid scores in fp32; the choice adds the per-expert bias and keeps only the ``topk_groups``
+    groups whose two best biased scores sum highest; the weights are the unbiased scores of the
+    chosen experts, renormalised (``norm_topk_prob``) and scaled."""
     k, e = cfg.num_experts_per_tok, cfg.num_experts
-    if cfg.router_scoring != "sigmoid":
-        probs = jax.nn.softmax((xt @ p["router"]).astype(jnp.float32), axis=-1)
+    sigmoid = cfg.router_scoring == "sigmoid"
+    logits = xt.astype(jnp.float32) @ p["router"].astype(jnp.float32) if sigmoid else xt @ p["router"]
+    logits, gate = logits[:, :e], (logits[:, e:] if cfg.shared_expert_gate else None)
+    if not sigmoid:
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
         top_w, top_i = jax.lax.top_k(probs, k)
         if cfg.norm_topk_prob:
             top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
-        return top_w, top_i
+        return top_w, top_i, gate
     n, G = xt.shape[0], cfg.num_expert_groups
-    scores = jax.nn.sigmoid(xt.astype(jnp.float32) @ p["router"].astype(jnp.float32))
+    scores = jax.nn.sigmoid(logits)
     choice = scores + p["router_bias"].astype(jnp.float32)
     group_best = jax.lax.top_k(choice.reshape(n, G, e // G), 2)[0].sum(-1)  # [n, G]
     _, groups = jax.lax.top_k(group_best, cfg.topk_groups)
@@ -355,7 +364,7 @@ def route(p: dict, cfg: ModelConfig, xt: jax.Array) -> tuple[jax.Array, jax.Arra
     top_w = jnp.take_along_axis(scores, top_i, axis=1)
     if cfg.norm_topk_prob:
         top_w = top_w / (jnp.sum(top_w, axis=-1, keepdims=True) + 1e-20)
-    return top_w * cfg.routed_scaling_factor, top_i
+    return top_w * cfg.routed_scaling_factor, top_i, gate
 
 
 def moe(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
@@ -371,7 +380,7 @@ def moe(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     shape = x.shape
     xt = x.reshape(-1, shape[-1])
     with jax.named_scope("route"):
-        top_w, top_i = route(p, cfg, xt)
+        top_w, top_i, gate = route(p, cfg, xt)
     if cfg.expert_parallel:
         routed = expert_parallel(xt, top_w.astype(x.dtype), top_i, p["gate_up"], p["down"])
     elif use_moe_kernel(cfg, x.dtype):
@@ -384,8 +393,8 @@ def moe(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
 
     with jax.named_scope("shared_expert"):
         shared = mlp(p["shared_expert"], xt)
-        if cfg.shared_expert_gate:
-            shared = shared * jax.nn.sigmoid(xt @ p["shared_expert_gate"])
+        if gate is not None:
+            shared = shared * jax.nn.sigmoid(gate)
     return (routed + shared).astype(x.dtype).reshape(shape)
 
 

@@ -7,8 +7,11 @@ per-expert tensors into ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.expert
 [E, H, I] (the fused layout transformers itself uses for these families).
 
 ``build_params`` turns those tensors into the pytree: linear weights transposed to [in, out],
-expert weights to [E, in, out], and Qwen3-Next's head-grouped ``in_proj_qkvz`` / ``in_proj_ba``
-permuted into Qwen3.5's split ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``.
+expert weights to [E, in, out], and a GDN layer's in-projections (Qwen3.5's ``in_proj_qkv`` /
+``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``, or Qwen3-Next's head-grouped ``in_proj_qkvz`` /
+``in_proj_ba`` permuted into that order) as one ``in_proj`` ``[H, conv_dim + vd + 2 hv]``, and a
+SwiGLU MLP's ``gate_proj`` / ``up_proj`` (dense MLPs, the shared experts) as one ``gate_up_proj``
+``[H, 2I]``; Qwen's ``shared_expert_gate`` rides as the MoE ``router``'s last column ``[H, E + 1]``.
 """
 
 from __future__ import annotations
@@ -181,7 +184,10 @@ def build_params(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], to_device,
         return p
 
     def mlp_params(prefix: str) -> dict:
-        return {k: lin(f"{prefix}.{k}") for k in ("gate_proj", "up_proj", "down_proj")}
+        # gate and up side by side as one gate_up_proj [H, 2I] (gate columns, then up), so a step
+        # multiplies by one weight (one kernel) where two would be two; layers.mlp cuts it
+        gate_up = np.concatenate([t[f"{prefix}.{k}.weight"].T for k in ("gate_proj", "up_proj")], axis=1)
+        return {"gate_up_proj": {"w": to_device(contiguous(gate_up))}, "down_proj": lin(f"{prefix}.down_proj")}
 
     layers = []
     for i, layer_type in enumerate(cfg.layer_types):
@@ -206,8 +212,11 @@ def build_params(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], to_device,
                 split = _unfuse_qwen3_next(cfg, t[f"{la}.in_proj_qkvz.weight"], t[f"{la}.in_proj_ba.weight"])
             else:
                 split = {k: t[f"{la}.{k}.weight"] for k in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
+            # one in-projection [H, conv_dim + vd + 2 hv]: q k v | z | b | a side by side, so a step
+            # multiplies by one weight (one kernel) where four would be four; gated_deltanet.project cuts it
+            merged = np.concatenate([split[k].T for k in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")], axis=1)
             layer["linear_attn"] = {
-                **{k: {"w": to_device(contiguous(w.T))} for k, w in split.items()},
+                "in_proj": {"w": to_device(contiguous(merged))},
                 "conv_w": to_device(t[f"{la}.conv1d.weight"][:, 0, :]),
                 "dt_bias": to_device(t[f"{la}.dt_bias"]),
                 "A_log": to_device(t[f"{la}.A_log"]),
@@ -223,16 +232,16 @@ def build_params(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], to_device,
             }
         if cfg.moe_layers[i]:
             m = f"{pre}.mlp"
+            router = t[f"{m}.gate.weight"].T
+            if cfg.shared_expert_gate:  # Qwen: the shared expert's gate as the router's last column
+                router = np.concatenate([router, t[f"{m}.shared_expert_gate.weight"].T], axis=1)
             layer["mlp"] = {
-                "router": to_device(contiguous(t[f"{m}.gate.weight"].T)),
+                "router": to_device(contiguous(router)),
                 "gate_up": to_device(contiguous(t[f"{m}.experts.gate_up_proj"].transpose(0, 2, 1))),
                 "down": to_device(contiguous(t[f"{m}.experts.down_proj"].transpose(0, 2, 1))),
             }
-            if cfg.shared_expert_gate:
-                layer["mlp"]["shared_expert"] = mlp_params(f"{m}.shared_expert")
-                layer["mlp"]["shared_expert_gate"] = to_device(contiguous(t[f"{m}.shared_expert_gate.weight"].T))
-            else:
-                layer["mlp"]["shared_expert"] = mlp_params(f"{m}.shared_experts")
+            layer["mlp"]["shared_expert"] = mlp_params(f"{m}.shared_expert" if cfg.shared_expert_gate
+                                                       else f"{m}.shared_experts")
             if cfg.router_scoring == "sigmoid":
                 layer["mlp"]["router_bias"] = to_device(t[f"{m}.gate.e_score_correction_bias"])
         else:

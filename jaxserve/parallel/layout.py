@@ -1,8 +1,9 @@
 """Shard-major layouts of fused projections, and the ambient shard count.
 
-Some params hold several pieces side by side on one axis: GDN / KDA's ``in_proj_qkv`` (and its
-depthwise ``conv_w`` and the conv state) is ``[q | k | v]`` along channels, the experts' ``gate_up``
-is ``[gate | up]``. A contiguous block of such an axis is not a set of whole heads of each piece,
+Some params hold several pieces side by side on one axis: KDA's ``in_proj_qkv`` (and the GDN / KDA
+depthwise ``conv_w`` and conv state) is ``[q | k | v]`` along channels, the GDN's ``in_proj``
+``[q | k | v | z | b | a]``, the experts' ``gate_up`` and a SwiGLU MLP's ``gate_up_proj``
+``[gate | up]``. A contiguous block of such an axis is not a set of whole heads of each piece,
 so under tensor parallelism with ``n`` shards they are stored *shard-major* instead:
 ``[q_0 | k_0 | v_0 | q_1 | k_1 | v_1 | ...]``, where ``q_d`` is shard ``d``'s heads of q
 (``shard_major``, at load time). Device ``d`` then holds exactly ``q_d | k_d | v_d``, and the

@@ -10,13 +10,13 @@ XLA SPMD (GSPMD) inserts every collective but the expert-parallel ``psum`` (belo
 ``[in, out]``:
 
 - column-parallel (out split, a whole set of heads per device): attention ``q_proj`` / ``k_proj`` /
-  ``v_proj`` (and MLA's ``q_b_proj`` / ``kv_b_proj``), the MLPs' ``gate_proj`` / ``up_proj``, and the
-  GDN / KDA in-projections ``in_proj_qkv`` (shard-major, ``layout``), ``in_proj_z``, ``in_proj_b``,
-  ``in_proj_a``, KDA's ``f_b`` / ``g_b`` / ``b``, with their per-head vectors (``conv_w`` rows,
-  ``A_log``, ``dt_bias``);
+  ``v_proj`` (and MLA's ``q_b_proj`` / ``kv_b_proj``), the SwiGLU MLPs' ``gate_up_proj`` (gate | up,
+  shard-major: ``layout``), the GDN's in-projection ``in_proj`` (q k v | z | b | a, shard-major),
+  KDA's ``in_proj_qkv`` (shard-major), ``f_b`` / ``g_b`` / ``b``, with their per-head vectors
+  (``conv_w`` rows, ``A_log``, ``dt_bias``);
 - row-parallel (in split; XLA all-reduces the partial sums): ``o_proj``, ``down_proj``, ``out_proj``;
 - replicated: norms, low-rank / latent projections (``q_a_proj``, ``kv_a_proj_with_mqa``, ``f_a``,
-  ``g_a``), the router and the shared expert's gate, the vision tower, and ``embed``;
+  ``g_a``), the router (with Qwen's shared expert gate), the vision tower, and ``embed``;
 - routed experts: split by intermediate (``gate_up`` shard-major on its last axis, ``down`` on its
   middle one; tensor parallel) or, with ``expert_parallel``, by expert id (axis 0, whole experts in
   the checkpoint's layout). Then ``configure`` sets ``ModelConfig.expert_parallel`` and
@@ -58,8 +58,8 @@ from jaxserve.config import ModelConfig
 from jaxserve.models.decoder import Pools, num_layers_of_kind
 from jaxserve.parallel.layout import AXIS, shard_major
 
-COLUMN = {"q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj",
-          "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "f_b", "g_b", "b"}
+COLUMN = {"q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj", "gate_up_proj", "in_proj", "in_proj_qkv",
+          "f_b", "g_b", "b"}
 ROW = {"o_proj", "down_proj", "out_proj"}
 PER_HEAD = {"A_log", "dt_bias", "conv_w"}  # linear-attention vectors / rows indexed by head or channel
 
@@ -166,14 +166,19 @@ class TensorParallel:
             if leaf == "conv_w":
                 x = shard_major(x, (kd, kd, vd), n, axis=0)
             return P(AXIS), x
-        if leaf not in ("w", "b"):  # norms, router, router bias, shared expert gate
+        if leaf not in ("w", "b"):  # norms, router (+ shared expert gate), router bias
             return P(), x
         name = path[-2]
         if name in ("k_proj", "v_proj") and kv_from < cfg.num_kv_heads and not cfg.is_mla:  # replicate KV heads
             heads = x.reshape(*x.shape[:-1], kv_from, -1)
             x = np.repeat(heads, cfg.num_kv_heads // kv_from, axis=-2).reshape(*x.shape[:-1], -1)
-        if name == "in_proj_qkv":
+        if name == "in_proj_qkv":  # KDA's q k v
             x = shard_major(x, (kd, kd, vd), n)
+        if name == "in_proj":  # GDN's q k v | z | b | a
+            hv = cfg.linear_num_value_heads
+            x = shard_major(x, (kd, kd, vd, vd, hv, hv), n)
+        if name == "gate_up_proj":  # a SwiGLU MLP's gate | up
+            x = shard_major(x, (x.shape[-1] // 2,) * 2, n)
         if name in COLUMN:
             return (P(None, AXIS) if leaf == "w" else P(AXIS)), x
         if name in ROW:

@@ -65,17 +65,21 @@ def test_bf16_hit_equals_cold_up_to_near_ties(llm):
 
 
 def test_bf16_check_catches_a_stale_snapshot(llm):
-    """Not vacuous at this tolerance: a hit that skips its state restore fails the same check."""
+    """Not vacuous at this tolerance: a hit that skips its state restore fails the same check.
+
+    129 tokens, so the hit resumes one token after the 128 boundary: this random model's gates
+    forget fast, and after eight recomputed tokens (the 200-token prompt) a stale state can drift
+    less than a bf16 rounding does."""
     engine = llm.engine
     ex = engine.executor
     scheduler_class = type(engine.scheduler)
-    prompt = np.random.default_rng(1).integers(0, 500, 200).tolist()
+    prompt = np.random.default_rng(1).integers(0, 500, 129).tolist()
     FaultyScheduler.corrupt(engine.scheduler, "stale-snapshot")
     try:
         cold, hit = _cold_then_hit(engine, prompt)
     finally:
         engine.scheduler.__class__ = scheduler_class
-    assert hit.cached_tokens == 192
+    assert hit.cached_tokens == 128
     with pytest.raises(AssertionError, match="drift|not a near-tie"):
         assert_same_or_near_tie(prompt, (cold.output_ids, cold.logprobs), (hit.output_ids, hit.logprobs),
                                 lambda ids: next_logits(ex.params, ex.cfg, ids), tol=BF16_TOL)

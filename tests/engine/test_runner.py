@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve import sampler
 from jaxserve.engine import pools as pool_mod
 from jaxserve.engine import runner
 from jaxserve.models import decoder
@@ -382,6 +383,36 @@ def test_device_executor_runs_a_scheduler_plan(case):
     if model.config.is_hybrid:
         assert ex.slot_checksum(9) == ex.slot_checksum(10)  # both untouched zeros
         assert ex.slot_checksum(1) != ex.slot_checksum(9)
+
+
+def test_greedy_rows_are_the_same_bits_in_any_batch_mix(case):
+    """Step 1 of the schedule (greedy A, B, E beside sampled C) through fresh pools runs the full
+    sampler; the same batch with C made greedy runs the greedy one (no sort, no draw). The greedy
+    rows' tokens and logprobs are the same bits both ways and equal the schedule's, C's are the
+    schedule's, and ``sample`` on the returned logits (the sampler as the step ran it before it
+    was split out) gives the same bits for every row."""
+    model, result, _, _, _ = case
+    cfg, seqs = model.config, result["seqs"]
+    plan = pool_mod.plan_pools(cfg, jnp.float32, page_size=PAGE, max_seqs=8, num_pages=48, num_slots=16)
+    rows = [runner.RowSpec(tokens=seqs[n].tokens[:k], start=0, pages=seqs[n].pages, slot=seqs[n].slot,
+                           **seqs[n].sampling) for n, k in (("A", 37), ("B", 23), ("C", 63), ("E", 4))]
+    mixed = runner.make_batch(rows, BUCKETS)
+    greedy = mixed._replace(temperature=np.zeros_like(mixed.temperature))
+    assert sampler.sample_mode(mixed.temperature) == sampler.FULL and sampler.sample_mode(greedy.temperature) == sampler.GREEDY
+    outs = [runner.step(model.params, cfg, pool_mod.init_pools(plan, cfg, jnp.float32), b, return_logits=True)[0]
+            for b in (mixed, greedy)]
+    (toks, lps), (g_toks, g_lps) = [(np.asarray(o.tokens)[:4], np.asarray(o.logprobs)[:4]) for o in outs]
+    np.testing.assert_array_equal(np.asarray(outs[0].logits), np.asarray(outs[1].logits))
+    is_greedy = np.array([r.temperature == 0 for r in rows])
+    np.testing.assert_array_equal(toks[is_greedy], g_toks[is_greedy])
+    np.testing.assert_array_equal(lps[is_greedy], g_lps[is_greedy])
+    first = result["records"][:4]
+    assert toks.tolist() == [r[2] for r in first] and lps.tolist() == [r[3] for r in first]
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(mixed.seed, mixed.sample_idx)
+    for out, b in zip(outs, (mixed, greedy)):
+        want = sampler.sample(out.logits, keys, b.temperature, b.top_k, b.top_p)
+        np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(want[0]))
+        np.testing.assert_array_equal(np.asarray(out.logprobs), np.asarray(want[1]))
 
 
 def test_paged_attention_matches_naive():

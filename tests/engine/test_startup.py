@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve import sampler
 from jaxserve.engine import llm as llm_mod
 from jaxserve.engine import runner, startup
 from jaxserve.engine.pools import MiB, minimal_pool_bytes, page_bytes, plan_pools, slot_bytes
@@ -179,6 +180,35 @@ def test_ahead_of_time_compile_is_the_program_step_runs(tiny):
     assert mem.temp_bytes + inputs <= mem.need_bytes <= mem.temp_bytes + 2 * inputs + 4096
 
 
+def test_sampler_programs_compile_ahead_of_time(tiny):
+    """``Buckets.sample_programs()`` is every row count of ``programs()`` in both modes, and each,
+    compiled by ``StepCompiler.compile_sample``, is the sampler program ``runner.step`` then runs
+    after the model, for an all-greedy and for a sampled batch alike; a row count compiled by
+    nobody does compile (the counter counts)."""
+    model = load_model(tiny, dtype="float32", progress=False)
+    cfg, params = model.config, model.params
+    b = runner.Buckets.for_limits(max_prefill_tokens=32, max_seqs=2, max_model_len=256, page_size=16)
+    assert b.sample_programs() == [(B, mode) for B in (1, 2) for mode in (sampler.GREEDY, sampler.FULL)]
+    compiler = startup.StepCompiler(params, cfg, b)
+    for program in b.sample_programs():
+        compiler.compile_sample(program)
+    pools = llm_mod.init_pools(plan_pools(cfg, jnp.float32, page_size=16, max_seqs=2, num_pages=20, num_slots=6),
+                               cfg, jnp.float32)
+    before = startup.sample_compiles()
+    for T, B, S, decode in b.programs():
+        for temperature in (0.0, 0.7):
+            batch = runner.padding_batch(T, B, S, b.pages_per_seq, decode)
+            batch.temperature[-1] = temperature
+            out, pools = runner.step(params, cfg, pools, batch, feed_tokens=runner.feed_buffer(b.seqs[-1]))
+            assert out.logits is None and out.tokens.shape == (B,) and out.feed_tokens.shape == (b.seqs[-1],)
+    jax.block_until_ready(pools)
+    assert startup.sample_compiles() == before
+    logits = jnp.zeros((3, cfg.vocab_size), jnp.float32)
+    runner.sample_logits(logits, runner.padding_batch(3, 3, 0, b.pages_per_seq, True), runner.feed_buffer(2),
+                         sampler.GREEDY)
+    assert startup.sample_compiles() == before + 1
+
+
 def test_abstract_params_compile_the_program_the_loaded_model_runs(tiny):
     """``params.abstract_params`` (the weights-free params of benchmarks/step_memory.py) has the
     loaded pytree's structure, shapes and dtype, so the program ``StepCompiler`` builds from it is
@@ -221,13 +251,15 @@ def test_engine_plans_compiles_and_serves_without_compiling(tiny, monkeypatch):
         (need[64] + need[128]) // 2
     monkeypatch.setattr(llm_mod, "device_budget", lambda fraction: budget)
 
-    steps = startup.step_compiles()
+    steps, samples = startup.step_compiles(), startup.sample_compiles()
     llm = llm_mod.LLM(str(tiny), dtype="float32", max_prefill_length=256, max_running_requests=2,
                       compile_all=True, compile_cache=False, progress=False)
     executor = llm.engine.executor
     assert executor.buckets.tokens == (32, 64) and llm.engine.scheduler.max_prefill_tokens == 64
     assert sum(x.nbytes for x in executor.pools) + params + need[64] <= budget
-    compiled = startup.step_compiles()
+    compiled, sampled = startup.step_compiles(), startup.sample_compiles()
+    # (a sampler program another test of this process compiled already is not compiled again)
+    assert sampled - samples <= len(executor.buckets.sample_programs())
     # the probes (256 at the largest pools, then the guess) and every program at the final pools
     assert len(executor.buckets.programs()) + 2 <= compiled - steps <= len(executor.buckets.programs()) + 3
 
@@ -237,7 +269,7 @@ def test_engine_plans_compiles_and_serves_without_compiling(tiny, monkeypatch):
                                   for k in (1, 9, 3, 20, 2, 5, 12)])
     assert [len(o.output_ids) for o in outs] == [1, 9, 3, 20, 2, 5, 12]
     llm.generate(prompts[2:4], SamplingParams(max_tokens=70, temperature=0.7, seed=1, ignore_eos=True))
-    assert startup.step_compiles() == compiled
+    assert startup.step_compiles() == compiled and startup.sample_compiles() == sampled
 
 
 # ------------------------------------------------------------------------------------------------

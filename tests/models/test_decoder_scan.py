@@ -207,18 +207,21 @@ def _decode_hlo(params, cfg) -> str:
 
 
 def test_decode_program_holds_each_layer_body_once(model):
-    """The GDN / KDA in-projection ``[T, H] @ [H, conv_dim]`` appears once per linear layer of the
+    """The GDN / KDA in-projection (``[T, H] @ [H, conv_dim (+ z, b, a)]``) appears once per linear layer of the
     period plus each unscanned one (list layout: once per linear layer), inside one while loop whose
-    trip count is the repetitions; no pool is copied."""
+    trip count is the repetitions; no pool is copied. (A dense MLP's ``gate_up_proj`` of the same
+    width counts as one more product of its layer.)"""
     cfg, params = model.config, model.params
     groups = layer_groups(cfg)
     stacked = decoder.stack_layers(cfg, params)
-    linear = [t == G for t in cfg.layer_types]
-    scanned = sum(linear[groups.prefix:groups.prefix + groups.period])
-    unscanned = sum(linear[:groups.prefix]) + sum(linear[groups.tail_start:])
-    proj = re.compile(rf"f32\[4,{cfg.linear_conv_dim}\]\{{[^}}]*\}} dot\(")
+    width = cfg.linear_conv_dim + (0 if cfg.kda else cfg.linear_value_dim + 2 * cfg.linear_num_value_heads)  # GDN: q k v | z | b | a
+    per_layer = [(t == G) + (not moe and 2 * cfg.intermediate_size == width)
+                 for t, moe in zip(cfg.layer_types, cfg.moe_layers)]
+    scanned = sum(per_layer[groups.prefix:groups.prefix + groups.period])
+    unscanned = sum(per_layer[:groups.prefix]) + sum(per_layer[groups.tail_start:])
+    proj = re.compile(rf"f32\[4,{width}\]\{{[^}}]*\}} dot\(")
     list_text, stacked_text = _decode_hlo(params, cfg), _decode_hlo(stacked, cfg)
-    assert len(proj.findall(list_text)) == sum(linear)
+    assert len(proj.findall(list_text)) == sum(per_layer)
     assert len(proj.findall(stacked_text)) == scanned + unscanned
     def layer_loops(text):  # the step's own top-level loops (the scan), not those inside a layer's ops
         return [line for line in text.splitlines() if " while(" in line and 'op_name="jit(_step)/while"' in line]
@@ -274,7 +277,7 @@ def test_moe_kernel_reads_the_stack_in_place(tmp_path):
     T = 32  # a mixed step: 64 routed rows, the grouped kernel (a decode step of 1 row takes the gather path)
     batch = runner.padding_batch(T, BUCKETS.rows_for(T), BUCKETS.snapshot_sizes(T, False)[-1], BUCKETS.pages_per_seq,
                                  False)
-    text = runner._step.trace(params, gpu_cfg, pools, batch, runner.feed_buffer(BUCKETS.seqs[-1]), False, False).lower(
+    text = runner._step.trace(params, gpu_cfg, pools, batch, runner.feed_buffer(BUCKETS.seqs[-1]), False).lower(
         lowering_platforms=("cuda",)).as_text()
     calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -306,8 +309,8 @@ def test_small_linear_kernel_reads_the_stack_in_place(tmp_path):
     def mosaic_calls(T, decode):
         S = BUCKETS.snapshot_sizes(T, decode)[-1]
         batch = runner.padding_batch(T, 4 if decode else BUCKETS.rows_for(T), S, BUCKETS.pages_per_seq, decode)
-        text = runner._step.trace(params, gpu_cfg, pools, batch, runner.feed_buffer(BUCKETS.seqs[-1]), decode,
-                                  False).lower(lowering_platforms=("cuda",)).as_text()
+        text = runner._step.trace(params, gpu_cfg, pools, batch, runner.feed_buffer(BUCKETS.seqs[-1]),
+                                  decode).lower(lowering_platforms=("cuda",)).as_text()
         return [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
 
     H, V = cfg.hidden_size, cfg.vocab_size

@@ -325,9 +325,8 @@ def test_layers_moe_runs_the_kernel_under_pallas_interpret():
                    num_experts_per_tok=TOP_K)
     rng = np.random.default_rng(4)
     f = lambda fan_in, *s: jnp.asarray(rng.normal(size=s) * fan_in ** -0.5, jnp.float32)  # noqa: E731
-    p = dict(router=f(H, H, E), gate_up=f(H, E, H, 2 * I), down=f(I, E, I, H), shared_expert_gate=f(H, H, 1),
-             shared_expert=dict(gate_proj=dict(w=f(H, H, 32)), up_proj=dict(w=f(H, H, 32)),
-                                down_proj=dict(w=f(32, 32, H))))
+    p = dict(router=f(H, H, E + 1), gate_up=f(H, E, H, 2 * I), down=f(I, E, I, H),  # router: + the shared gate
+             shared_expert=dict(gate_up_proj=dict(w=f(H, H, 2 * 32)), down_proj=dict(w=f(32, 32, H))))
     assert layers.use_moe_kernel(cfg, jnp.float32)
     for n in (N_TOK, 2):
         x = f(1, n, H)

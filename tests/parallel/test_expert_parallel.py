@@ -22,7 +22,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.engine import pools as pool_mod
 from jaxserve.engine import runner
 from jaxserve.models import layers
-from jaxserve.parallel.layout import AXIS
+from jaxserve.parallel.layout import AXIS, shard_major
 from jaxserve.parallel.tensor import TensorParallel
 from tests.parallel.conftest import DEVICES
 from tests.parallel.test_tensor_parallel import BUCKETS, FAMILIES, PAGE, REL_TOL
@@ -44,15 +44,17 @@ def _moe_params(cfg: ModelConfig, seed: int = 0) -> dict:
     def f(fan_in, *shape):
         return jnp.asarray(rng.normal(size=shape) * fan_in**-0.5, jnp.float32)
 
-    return dict(router=f(H, H, E), gate_up=f(H, E, H, 2 * I), down=f(I, E, I, H), shared_expert_gate=f(H, H, 1),
-                shared_expert=dict(gate_proj=dict(w=f(H, H, S)), up_proj=dict(w=f(H, H, S)),
-                                   down_proj=dict(w=f(S, S, H))))
+    return dict(router=f(H, H, E + 1), gate_up=f(H, E, H, 2 * I), down=f(I, E, I, H),  # router: + the shared gate
+                shared_expert=dict(gate_up_proj=dict(w=f(H, H, 2 * S)), down_proj=dict(w=f(S, S, H))))
 
 
 def _split(tp: TensorParallel, p: dict) -> dict:
-    """``p`` on ``tp``'s mesh: the routed experts split by id, the rest replicated."""
+    """``p`` on ``tp``'s mesh: the routed experts split by id, the rest replicated; the shared
+    expert's ``gate_up_proj`` shard-major (``layers.mlp`` cuts it for the mesh's shard count)."""
+    w = np.asarray(p["shared_expert"]["gate_up_proj"]["w"])
+    shared = {**p["shared_expert"], "gate_up_proj": {"w": shard_major(w, (w.shape[1] // 2,) * 2, tp.size)}}
     return {k: jax.device_put(v, tp.sharding(AXIS) if k in ("gate_up", "down") else tp.replicated)
-            for k, v in p.items()}
+            for k, v in {**p, "shared_expert": shared}.items()}
 
 
 COLLECTIVE = re.compile(r"= (.+?) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(")

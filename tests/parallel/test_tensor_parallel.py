@@ -137,7 +137,7 @@ def test_logits_equal_one_device(family, n):
     assert per_device(attn["kv_b_proj" if cfg.is_mla else "q_proj"]["w"], 1)
     lin = params["layers"][0]["linear_attn"] if cfg.is_hybrid else None
     if lin is not None:
-        assert per_device(lin["in_proj_qkv"]["w"], 1) and per_device(lin["out_proj"]["w"], 0)
+        assert per_device(lin["in_proj_qkv" if cfg.kda else "in_proj"]["w"], 1) and per_device(lin["out_proj"]["w"], 0)
         assert per_device(lin["conv_w"], 0)
     mlp = layer["mlp"]
     if "gate_up" in mlp:
@@ -146,7 +146,7 @@ def test_logits_equal_one_device(family, n):
         assert cfg.expert_parallel == ep
         assert per_device(mlp["shared_expert"]["down_proj"]["w"], 0)
     else:
-        assert per_device(mlp["up_proj"]["w"], 1)
+        assert per_device(mlp["gate_up_proj"]["w"], 1)
     assert params["embed"].sharding.is_fully_replicated
     if "lm_head" in params:
         assert per_device(params["lm_head"], 1)
@@ -171,10 +171,11 @@ def test_stacked_layout_split(tmp_path, ep):
     for ours, theirs in zip(got, ref):
         assert np.max(np.abs(ours - theirs)) <= REL_TOL * np.max(np.abs(theirs))
     gdn, attn = params["layers"]["period"]
-    qkv = gdn["linear_attn"]["in_proj_qkv"]["w"]
+    qkv = gdn["linear_attn"]["in_proj"]["w"]
     assert qkv.shape[0] == 2 and qkv.sharding.spec == jax.sharding.PartitionSpec(None, None, "tp")
     assert qkv.addressable_shards[0].data.shape == (2, qkv.shape[1], qkv.shape[2] // 2)
     assert attn["self_attn"]["o_proj"]["w"].sharding.spec == jax.sharding.PartitionSpec(None, "tp")
+    assert attn["mlp"]["shared_expert"]["gate_up_proj"]["w"].sharding.spec == jax.sharding.PartitionSpec(None, None, "tp")
     gate_up = attn["mlp"]["gate_up"]
     assert gate_up.sharding.spec == (jax.sharding.PartitionSpec(None, "tp") if ep
                                      else jax.sharding.PartitionSpec(None, None, None, "tp"))
@@ -182,7 +183,8 @@ def test_stacked_layout_split(tmp_path, ep):
 
 def test_ahead_of_time_compile_is_the_step_program(checkpoints):
     """A program compiled by ``StepCompiler`` under a placement is the one ``step`` runs (the
-    start-up compile of every program is not wasted under TP)."""
+    start-up compile of every program is not wasted under TP), and so are its sampler programs
+    (``warmup`` runs both modes)."""
     tp = TensorParallel.make(2)
     model = load_model(checkpoints["qwen3_5"], dtype="float32", progress=False, tensor_parallel=tp)
     cfg = model.config
@@ -191,10 +193,12 @@ def test_ahead_of_time_compile_is_the_step_program(checkpoints):
     program = BUCKETS.programs()[-1]
     compiler = startup.StepCompiler(model.params, cfg, BUCKETS, placement)
     compiler.compile(program, startup.pool_structs(cfg, jnp.float32, plan))
+    for sample_program in BUCKETS.sample_programs():
+        compiler.compile_sample(sample_program)
     pools = pool_mod.init_pools(plan, cfg, jnp.float32, placement.pools)
-    before = startup.step_compiles()
+    before = startup.step_compiles(), startup.sample_compiles()
     runner.warmup(model.params, cfg, pools, BUCKETS, programs=[program], placement=placement)
-    assert startup.step_compiles() == before
+    assert (startup.step_compiles(), startup.sample_compiles()) == before
     assert compiler.param_bytes * 2 > sum(x.nbytes for x in jax.tree.leaves(model.params))  # per device
 
 

@@ -109,7 +109,8 @@ def test_single_file_equals_source(tmp_path, family):
     np.testing.assert_array_equal(p["embed"], tensors["model.embed_tokens.weight"])
     np.testing.assert_array_equal(p["lm_head"], tensors["lm_head.weight"].T)
     if not cfg.moe_layers[0]:
-        np.testing.assert_array_equal(p["layers"][0]["mlp"]["gate_proj"]["w"], tensors["model.layers.0.mlp.gate_proj.weight"].T)
+        gate_up = np.concatenate([tensors[f"model.layers.0.mlp.{k}.weight"].T for k in ("gate_proj", "up_proj")], axis=1)
+        np.testing.assert_array_equal(p["layers"][0]["mlp"]["gate_up_proj"]["w"], gate_up)
     else:
         np.testing.assert_array_equal(
             p["layers"][0]["mlp"]["gate_up"], tensors["model.layers.0.mlp.experts.gate_up_proj"].transpose(0, 2, 1)

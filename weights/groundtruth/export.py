@@ -1,10 +1,10 @@
 """Export: the trained params pytree back to a Hugging Face folder (``build_params`` inverted).
 
 ``DIR/export`` = ``config.json`` (the keys transformers writes for the text config), bf16
-``model.safetensors`` ([out, in] linears, split GDN projections, MoE experts one by one as
-transformers' ``save_pretrained`` writes them), ``generation_config.json`` and the tokenizer
-files. ``weights.load_model`` and transformers load it; the tests check the round trip is exact
-(up to the bf16 rounding).
+``model.safetensors`` ([out, in] linears, split GDN in-projections and MLP gate / up, MoE experts
+one by one as transformers' ``save_pretrained`` writes them), ``generation_config.json`` and the
+tokenizer files. ``weights.load_model`` and transformers load it; the tests check the round trip
+is exact (up to the bf16 rounding).
 """
 
 from __future__ import annotations
@@ -39,14 +39,23 @@ def to_hf_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
         if "b" in p:
             out[f"{name}.bias"] = a(p["b"])
 
+    def swiglu(name, p):  # params.py's gate_up_proj merge, undone
+        gate, up = np.split(a(p["gate_up_proj"]["w"]), 2, axis=1)
+        lin(f"{name}.gate_proj", {"w": gate})
+        lin(f"{name}.up_proj", {"w": up})
+        lin(f"{name}.down_proj", p["down_proj"])
+
     for i, (layer, lt) in enumerate(zip(params["layers"], cfg.layer_types)):
         pre = f"model.layers.{i}"
         out[f"{pre}.input_layernorm.weight"] = a(layer["input_layernorm"])
         out[f"{pre}.post_attention_layernorm.weight"] = a(layer["post_attention_layernorm"])
         if lt == LINEAR_ATTENTION:
             la, p = f"{pre}.linear_attn", layer["linear_attn"]
-            for k in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
-                lin(f"{la}.{k}", p[k])
+            hv, vd, conv = cfg.linear_num_value_heads, cfg.linear_value_dim, cfg.linear_conv_dim
+            parts = np.split(a(p["in_proj"]["w"]), np.cumsum([conv, vd, hv])[:], axis=1)  # params.py's merge, undone
+            for k, w in zip(("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), parts):
+                lin(f"{la}.{k}", {"w": w})
+            lin(f"{la}.out_proj", p["out_proj"])
             out[f"{la}.conv1d.weight"] = a(p["conv_w"])[:, None, :]
             out[f"{la}.dt_bias"] = a(p["dt_bias"])
             out[f"{la}.A_log"] = a(p["A_log"])
@@ -59,7 +68,8 @@ def to_hf_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
             out[f"{sa}.k_norm.weight"] = a(p["k_norm"])
         m, p = f"{pre}.mlp", layer["mlp"]
         if cfg.moe_layers[i]:
-            out[f"{m}.gate.weight"] = a(p["router"]).T
+            router, gate = np.split(a(p["router"]), [cfg.num_experts], axis=1)  # [H, E] | the shared gate [H, 1]
+            out[f"{m}.gate.weight"] = router.T
             gate_up = a(p["gate_up"]).transpose(0, 2, 1)  # [E, 2I, H]
             down = a(p["down"]).transpose(0, 2, 1)  # [E, H, I]
             inter = cfg.moe_intermediate_size
@@ -67,12 +77,10 @@ def to_hf_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
                 out[f"{m}.experts.{j}.gate_proj.weight"] = gate_up[j, :inter]
                 out[f"{m}.experts.{j}.up_proj.weight"] = gate_up[j, inter:]
                 out[f"{m}.experts.{j}.down_proj.weight"] = down[j]
-            for k in ("gate_proj", "up_proj", "down_proj"):
-                lin(f"{m}.shared_expert.{k}", p["shared_expert"][k])
-            out[f"{m}.shared_expert_gate.weight"] = a(p["shared_expert_gate"]).T
+            swiglu(f"{m}.shared_expert", p["shared_expert"])
+            out[f"{m}.shared_expert_gate.weight"] = gate.T
         else:
-            for k in ("gate_proj", "up_proj", "down_proj"):
-                lin(f"{m}.{k}", p[k])
+            swiglu(m, p)
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
