@@ -149,6 +149,9 @@ def named_breakdown(engine, per, program, hlo_out: Path | None) -> dict:
         hlo_out.write_text(text)
     res["ops"] = profiling.hlo_sources(text, res["kernel_breakdown_ms"])
     res["scopes"] = profiling.scope_totals(text, per)
+    # time of kernels no HLO instruction names (cuBLAS, cub, or a naming miss to look into)
+    res["unnamed_ms"] = round(sum(v["ms"] for s, v in res["scopes"].items() if s.startswith("library:")), 5)
+    res["kernel_names"] = [name for name, _ in per[0]]  # one call's kernels in launch order: to check the naming offline
     return res
 
 

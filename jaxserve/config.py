@@ -27,6 +27,10 @@ SLIDING_ATTENTION = "sliding_attention"
 # block and snapshot boundaries coincide. Every part that needs the number imports it from here.
 SNAPSHOT_INTERVAL = 64
 
+# Rows of more than one token a mixed / prefill step may hold (the scheduler keeps to it): the
+# GDN / KDA chunk grid of a step is sized for this many such rows (``ModelConfig.chunked_rows``).
+CHUNKED_ROWS = 8
+
 
 class ConfigError(ValueError):
     """A config.json that jaxserve cannot serve, with the file and key named."""
@@ -167,6 +171,11 @@ class ModelConfig:
     # is traced under (static under jit; only ``TensorParallel.configure`` sets it), so ``layers.moe``
     # runs each device's own experts under ``shard_map`` (``layers.expert_parallel``).
     expert_parallel: bool = False
+    # Execution: the engine's promise that at most this many rows of a mixed / prefill step hold more
+    # than one token (the scheduler keeps it: ``CHUNKED_ROWS``, ``Buckets.chunked_rows``); 0: none. With it the
+    # GDN / KDA layers run the one-token rows by the recurrent rule and size the chunk grid for the
+    # others only (``gated_deltanet._mixed_rule``), not for the worst raggedness of every row.
+    chunked_rows: int = 0
 
     @property
     def is_mla(self) -> bool:

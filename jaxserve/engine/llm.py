@@ -252,6 +252,8 @@ def build_engine(args: EngineArgs) -> Engine:
     max_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     buckets = Buckets.for_limits(max_prefill_tokens=args.max_prefill_length, max_seqs=args.max_running_requests,
                                  max_model_len=max_len, page_size=args.page_size)
+    # the scheduler's promise to the GDN / KDA layers: few rows of more than one token per step
+    cfg = dataclasses.replace(cfg, chunked_rows=buckets.chunked_rows)
     placement = None if tp is None else Placement(params, tp.pool_shardings(cfg))
     compiler = startup.StepCompiler(params, cfg, buckets, placement)
     param_bytes = compiler.param_bytes  # one device's share under tensor parallelism, as is the budget
@@ -283,7 +285,7 @@ def build_engine(args: EngineArgs) -> Engine:
     scheduler = Scheduler(pages=pages, slots=slots, cache=cache, page_size=args.page_size,
                           max_prefill_tokens=buckets.tokens[-1], max_running=args.max_running_requests,
                           max_pages_per_seq=min(buckets.pages_per_seq, -(-max_len // args.page_size)),
-                          eos_token_ids=eos, policy=make_policy(args.policy))
+                          eos_token_ids=eos, policy=make_policy(args.policy), max_chunked_rows=buckets.chunked_rows)
     executor = DeviceExecutor(params, cfg, pools, buckets, placement)
     engine = Engine(scheduler, executor, vocab_size=cfg.vocab_size, tokenizer=tokenizer,
                     debug_snapshot_checksums=args.debug_snapshot_checksums, overlap=args.overlap_schedule)

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import CHUNKED_ROWS, ModelConfig
 from jaxserve.engine.pools import allocate
 from jaxserve.models import decoder, vision
 from jaxserve.models.decoder import Pools
@@ -109,6 +109,10 @@ class Buckets:
       traffic per row; lockstep rows (a batch of equal prompts) take the size-B program once
       every 64 steps. B <= 2 has only size B (one extra entry is cheaper than a program).
 
+    Chunk grid: at most ``chunked_rows`` rows of a mixed step hold more than one token (the
+    scheduler's cap, checked by ``make_batch``), so the GDN / KDA layers size their chunk grid
+    T // 64 + 2·chunked_rows instead of T // 64 + 2·B (``ModelConfig.chunked_rows``).
+
     Programs: |tokens| mixed + at most 2·|seqs| decode (``programs()``): 21 for
     ``max_prefill_tokens=8192, max_seqs=64`` (one S ladder for every shape gave 85), 19 for
     ``max_seqs=32`` (80)."""
@@ -117,6 +121,7 @@ class Buckets:
     seqs: tuple[int, ...]       # B (= T) of decode steps; the last is max_seqs
     pages_per_seq: int          # W, page-table width, a multiple of KEY_BLOCK // page_size
     page_size: int
+    chunked_rows: int = CHUNKED_ROWS  # rows of more than one token in a mixed step (the scheduler's cap)
 
     @classmethod
     def for_limits(cls, *, max_prefill_tokens: int, max_seqs: int, max_model_len: int, page_size: int,
@@ -219,7 +224,8 @@ def make_batch(rows: Sequence[RowSpec], buckets: Buckets) -> Batch:
     """Pack rows into a padded ``Batch`` (numpy). A pure-decode batch (every row one token) gets
     T = B and takes the decode path. Raises ``ValueError`` on what the device cannot check: pages
     not covering the tokens, a snapshot the chunked kernels cannot produce (not 0, not the row's
-    length, not on a ×64 boundary), slots shared between writers (invariant 2), or no bucket."""
+    length, not on a ×64 boundary), slots shared between writers (invariant 2), more rows of more
+    than one token than ``buckets.chunked_rows``, or no bucket."""
     if not rows:
         raise ValueError("a step needs at least one row")
     ps, width = buckets.page_size, buckets.pages_per_seq
@@ -231,6 +237,9 @@ def make_batch(rows: Sequence[RowSpec], buckets: Buckets) -> Batch:
         B = buckets.rows_for(T)
         if len(rows) > B:
             raise ValueError(f"{len(rows)} rows exceed max_seqs {B}")
+        chunked = sum(len(r.tokens) > 1 for r in rows)
+        if buckets.chunked_rows and chunked > buckets.chunked_rows:
+            raise ValueError(f"{chunked} rows of more than one token exceed chunked_rows {buckets.chunked_rows}")
     snaps = [(i, n, dst) for i, r in enumerate(rows) for n, dst in r.snapshots]
     S = _fit(len(snaps), buckets.snapshot_sizes(T, decode), "snapshots")
 

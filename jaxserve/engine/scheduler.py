@@ -14,7 +14,8 @@ slot freed while step N is in flight can only be reused by a step after N.
 Every step mixes decodes (1-token rows) and prefill chunks (continuous batching, chunked prefill)
 under a token budget (at most ``max_prefill_tokens``). Running requests go first (decodes, then
 unfinished prefills, in arrival order), then the policy admits waiting requests while budget, rows,
-pages and slots allow. When a running request cannot get a page, the tree's unlocked KV is evicted
+pages and slots allow; at most ``max_chunked_rows`` rows of a step hold more than one token (the
+GDN / KDA chunk grid is sized for that many: ``ModelConfig.chunked_rows``). When a running request cannot get a page, the tree's unlocked KV is evicted
 first, then a running request is preempted (released, requeued, recomputed later). The policy
 (policy.py) makes the choices: admission order, the step's token budget, each row's chunk, the
 preemption victim (by default the newest) and, through the cache, the eviction order; the
@@ -43,7 +44,7 @@ from typing import Callable
 
 from jaxserve.cache.allocator import PageAllocator, SlotAllocator
 from jaxserve.cache.radix import HybridRadixCache
-from jaxserve.config import SNAPSHOT_INTERVAL
+from jaxserve.config import CHUNKED_ROWS, SNAPSHOT_INTERVAL
 from jaxserve.engine.policy import FCFS, Policy, SchedulerView
 from jaxserve.engine.request import Request, Status
 
@@ -94,12 +95,13 @@ class Scheduler:
                  page_size: int, max_prefill_tokens: int, max_running: int, max_pages_per_seq: int,
                  eos_token_ids: tuple[int, ...] = (), policy: Policy | None = None,
                  barrier: Callable[[], None] = lambda: None, snapshot_interval: int = SNAPSHOT_INTERVAL,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, max_chunked_rows: int = CHUNKED_ROWS):
         self.pages, self.slots, self.cache = pages, slots, cache
         self.hybrid = slots is not None
         self.page_size = page_size
         self.max_prefill_tokens = max_prefill_tokens
         self.max_running = max_running
+        self.max_chunked_rows = max_chunked_rows  # rows of more than one token per step (0: any)
         self.max_pages_per_seq = max_pages_per_seq
         self.eos_token_ids = frozenset(eos_token_ids)
         self.policy = policy or FCFS()
@@ -164,6 +166,7 @@ class Scheduler:
             pending = req.num_pending
             (prefills if pending > 1 else decodes).append((req, pending))
         ps = self.page_size
+        chunked, cap = 0, self.max_chunked_rows or float("inf")  # rows of more than one token (the chunk grid)
         for req, pending in decodes + prefills:
             if budget == 0:
                 break
@@ -172,12 +175,15 @@ class Scheduler:
             n = min(pending, self._chunk(req, budget))
             if n == 0:  # its last token is sampled by the step in flight, or the policy holds it back
                 continue
+            if n > 1 and chunked >= cap:  # its next chunk waits for a later step
+                continue
             if -(-(req.num_computed + n) // ps) > len(req.pages) and not self._reserve_pages(req, n, protect=rows):
                 continue
             rows.append(self._row(req, n, len(rows)))
             budget -= n
+            chunked += n > 1
         for req in policy.order(list(self.waiting), view):
-            if budget == 0 or len(self.running) >= self.max_running:
+            if budget == 0 or len(self.running) >= self.max_running or chunked >= cap:
                 break
             if req.status is not Status.WAITING:
                 raise ValueError(f"policy {policy.name!r}: order returned {req.rid}, which is not waiting")
@@ -189,6 +195,7 @@ class Scheduler:
                 break
             rows.append(self._row(req, n, len(rows)))
             budget -= n
+            chunked += n > 1
         if not rows:
             return None
         plan = StepPlan(rows)

@@ -12,8 +12,9 @@ State lives in a slot pool shared by all GDN layers (``layers.Ragged`` says how 
 ``conv`` [layers, slots, conv_dim, K-1] (the last K-1 conv inputs, oldest first, model dtype) and
 ``rec`` [layers, slots, Hv, dk, dv] fp32. Two backends touch it, each called from one place:
 ``_short_conv`` and ``_delta_rule``. Prefill uses the chunked rule aligned to absolute ×64
-positions (so a prompt prefilled in pieces computes exactly the chunks one prefill would), in jnp or
-on a Mosaic GPU kernel (``prefill_kernel``: ``gdn_chunked``'s recurrence kernel, or the fused
+positions (so a prompt prefilled in pieces computes exactly the chunks one prefill would; in a
+mixed step under the scheduler's ``chunked_rows`` promise only the rows of several tokens take it,
+``_mixed_rule``), in jnp or on a Mosaic GPU kernel (``prefill_kernel``: ``gdn_chunked``'s recurrence kernel, or the fused
 whole-chunk kernels ``gdn_chunk_fused`` / ``kda_chunk_fused`` where named); a decode batch (every
 row exactly one token) uses the one-step recurrent form — on a GPU the fused Mosaic GPU kernel
 (``pallas_kernels.gdn_decode``), which reads and writes the pool in place (``_decode_in_pool``;
@@ -100,8 +101,52 @@ def _delta_rule(cfg: ModelConfig, q, k, v, g, beta, init, r: Ragged, decode: boo
     if decode:
         o, final = jax.vmap(_one_token_rule)(q, k, v, g, beta, init)
         return o, final, _decode_snapshots(init, final, r)
+    if cfg.chunked_rows:
+        return _mixed_rule(cfg, q, k, v, g, beta, init, r)
     return _chunked_rule(cfg)(q, k, v, g, beta, cu_seqlens=r.cu_seqlens, initial_state=init,
                               start_pos=r.context_len, snapshot_seq=r.snap_seq, snapshot_len=r.snap_len)
+
+
+def _mixed_rule(cfg: ModelConfig, q, k, v, g, beta, init, r: Ragged):
+    """``_delta_rule`` of a mixed / prefill step whose rows of more than one token are at most
+    ``cfg.chunked_rows`` (the scheduler's promise): those rows through the chunked rule on a grid of
+    ``T // 64 + 2 * chunked_rows`` chunks, the one-token rows (decodes riding along, a prompt's last
+    token) by the recurrent rule, as a decode step runs them.
+
+    Why: the chunked rule's grid must hold the worst raggedness its rows can have, each row up to
+    two partial chunks (``default_max_chunks``), and its intra-chunk work is paid for every chunk
+    of the grid, used or not: with every row a candidate, a 512-token prompt in the 64-row program
+    paid for 136 chunks (8,704 token slots) where it uses 8. The results are the unsplit rule's: a
+    one-token row's chunk is that token alone, so both forms compute the same recurrence step.
+
+    How: the multi-token rows' tokens are packed to the front in row order and the chunked rule
+    sees the one-token rows as empty (their snapshot requests as length 0, so none falls outside
+    its row); finals, snapshots and outputs of the one-token rows are then taken from the
+    recurrent step."""
+    T, B = q.shape[0], r.num_rows
+    lens = jnp.diff(r.cu_seqlens)
+    one = lens == 1
+    lens_m = jnp.where(one, 0, lens)
+    cu_m = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(lens_m).astype(jnp.int32)])
+    row = jnp.minimum(r.seq, B - 1)
+    multi_tok = (r.seq < B) & ~one[row]
+    dst = jnp.where(multi_tok, cu_m[row] + jnp.arange(T, dtype=jnp.int32) - r.cu_seqlens[row], T)  # T: dropped
+    pack = lambda x: jnp.zeros_like(x).at[dst].set(x, mode="drop")  # noqa: E731
+    snap_row = jnp.clip(r.snap_seq, 0, B - 1)
+    snap_one = one[snap_row]
+    max_chunks = min(T // gdn_chunked.CHUNK + 2 * min(cfg.chunked_rows, B), T)
+    o_m, final_m, snaps_m = _chunked_rule(cfg)(
+        pack(q), pack(k), pack(v), pack(g), pack(beta), cu_seqlens=cu_m, initial_state=init,
+        start_pos=r.context_len, snapshot_seq=r.snap_seq, snapshot_len=jnp.where(snap_one, 0, r.snap_len),
+        max_chunks=max_chunks)
+    first = jnp.minimum(r.cu_seqlens[:-1], T - 1)  # a one-token row's token
+    o_1, final_1 = jax.vmap(_one_token_rule)(q[first], k[first], v[first], g[first], beta[first], init)
+    expand = lambda m, x: m.reshape(-1, *([1] * (x.ndim - 1)))  # noqa: E731
+    final = jnp.where(expand(one, final_1), final_1, final_m)
+    snap_1 = jnp.where(expand(r.snap_len > 0, init), final_1[snap_row], init[snap_row])
+    snaps = jnp.where(expand(snap_one, snap_1), snap_1, snaps_m)
+    o = jnp.where(expand(multi_tok, o_m), o_m[jnp.minimum(dst, T - 1)], o_1[row].astype(o_m.dtype))
+    return o, final, snaps
 
 
 def _chunked_rule(cfg: ModelConfig):

@@ -296,6 +296,14 @@ def test_make_batch_rejects(bad, match):
         runner.make_batch([bad], BUCKETS)
 
 
+def test_make_batch_rejects_more_rows_of_several_tokens_than_the_chunk_grid_holds():
+    rows = [runner.RowSpec(tokens=[1, 2], start=0, pages=[i + 1], slot=i + 1) for i in range(3)]
+    two = dataclasses.replace(BUCKETS, chunked_rows=2)
+    with pytest.raises(ValueError, match="exceed chunked_rows 2"):
+        runner.make_batch(rows, two)
+    runner.make_batch(rows[:2] + [runner.RowSpec(tokens=[3], start=5, pages=[9], slot=9)], two)  # one-token rows are free
+
+
 def test_buckets_for_limits():
     b = runner.Buckets.for_limits(max_prefill_tokens=2048, max_seqs=48, max_model_len=1000, page_size=16)
     assert b.tokens == (32, 64, 128, 256, 512, 1024, 2048)

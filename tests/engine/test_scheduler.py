@@ -300,3 +300,29 @@ def test_failed_step_fails_its_requests_and_the_engine_keeps_serving(lose_state)
     assert again.output_ids == reference_continuation(shared + again.prompt_token_ids[130:], 5, VOCAB)
     assert engine.snapshot_checksum_mismatches == 0
     assert_pools_free_after_flush(engine)
+
+
+@pytest.mark.parametrize("cap", [1, 2])
+def test_a_step_holds_at_most_max_chunked_rows_rows_of_several_tokens(cap):
+    """The scheduler keeps the chunk grid's promise (``ModelConfig.chunked_rows``): a burst of short
+    prompts that one step's token budget would take together is spread over steps with at most
+    ``cap`` rows of more than one token each (decodes ride along), and every output stays exact."""
+    rng = random.Random(cap)
+    engine = make_engine(max_prefill=96, max_running=8)
+    engine.scheduler.max_chunked_rows = cap
+    schedule, seen = engine.scheduler.schedule, []
+
+    def spy():
+        plan = schedule()
+        if plan is not None:
+            seen.append((sum(len(r.tokens) > 1 for r in plan.rows), len(plan.rows)))
+        return plan
+
+    engine.scheduler.schedule = spy
+    prompts = [prompt(rng, rng.randrange(2, 12)) for _ in range(8)]
+    outs = engine.generate(prompts, greedy(6))
+    for p, out in zip(prompts, outs):
+        assert out.output_ids == reference_continuation(p, 6, VOCAB, True)
+    assert max(chunked for chunked, _ in seen) == cap
+    assert any(rows > chunked > 0 for chunked, rows in seen)  # prefills beside decodes
+    assert_pools_free_after_flush(engine)
