@@ -232,10 +232,15 @@ def _store(pool: jax.Array, layer: int, r: Ragged, final: jax.Array, snaps: jax.
     """Final states into the rows' write slots, snapshots into their destinations; nothing else.
 
     Real rows and snapshots name distinct slots (the host's contract, invariant 2), so the order of
-    the two scatters does not matter; duplicates can only be the null slot 0, whose content is
-    garbage that no real row reads (a row with ``context_len == 0`` starts from zeros)."""
-    pool = pool.at[layer, r.write_slot].set(final.astype(pool.dtype))
-    return pool.at[layer, r.snap_dst].set(snaps.astype(pool.dtype))
+    the two scatters does not matter. Empty rows (the engine's are a mixed step's padding rows) and
+    padding snapshot entries (destination: the null slot 0, which no real row reads) write nothing:
+    those are most of a mixed step's B rows and T // 64 + B entries, each write a whole state (2 MiB
+    a GDN layer at 32 heads of 128 x 128). Slot 0 stays a real slot where a caller gives it to a
+    non-empty row (``decoder.forward``'s rows are slots 0 .. B-1)."""
+    dropped = pool.shape[1]  # an out-of-range slot: the scatter skips it
+    rows = jnp.where(jnp.diff(r.cu_seqlens) > 0, r.write_slot, dropped)
+    pool = pool.at[layer, rows].set(final.astype(pool.dtype), mode="drop")
+    return pool.at[layer, jnp.where(r.snap_dst > 0, r.snap_dst, dropped)].set(snaps.astype(pool.dtype), mode="drop")
 
 
 def project(p: dict, cfg: ModelConfig, x: jax.Array):

@@ -98,3 +98,22 @@ def check_split(case, split_kernels, hk=HK, hv=HV, dk=DK, dv=DV):
     assert_close(np.asarray(f1), np.asarray(f0), 1e-5, "final states")
     assert_close(np.asarray(s1), np.asarray(s0), 1e-5, "snapshots")
     assert np.isfinite(np.asarray(s1)).all()
+
+
+def test_store_skips_padding_writes_but_not_a_real_row_in_slot_0():
+    """``_store``: an empty (padding) row and a padding snapshot entry (destination 0) write nothing;
+    a non-empty row keeps whatever slot it names, slot 0 included (``decoder.forward``'s rows)."""
+    pool = jnp.full((2, 5, 3), 7.0)
+    final, snaps = jnp.arange(9.0).reshape(3, 3), 100 + jnp.arange(6.0).reshape(2, 3)
+
+    def store(cu, write_slot, snap_dst):
+        r = make_ragged(jnp.zeros(4, jnp.int32), jnp.asarray(cu, jnp.int32), jnp.zeros(3, jnp.int32),
+                        jnp.zeros((3, 1), jnp.int32), jnp.asarray(write_slot, jnp.int32), jnp.asarray(write_slot, jnp.int32),
+                        jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32), jnp.asarray(snap_dst, jnp.int32))
+        return np.asarray(gated_deltanet._store(pool, 1, r, final, snaps))
+
+    out = store([0, 3, 4, 4], [2, 4, 0], [3, 0])  # rows: 3 tokens, 1 token, empty; snapshots: real, padding
+    assert (out[1, 2] == final[0]).all() and (out[1, 4] == final[1]).all() and (out[1, 3] == snaps[0]).all()
+    assert (out[1, [0, 1]] == 7.0).all() and (out[0] == 7.0).all()
+    out = store([0, 3, 4, 4], [0, 4, 1], [3, 0])  # a real row in slot 0 writes it
+    assert (out[1, 0] == final[0]).all() and (out[1, 1] == 7.0).all()
