@@ -359,7 +359,8 @@ def test_a_slow_client_that_keeps_sending_is_still_timed(strict_server):
 def test_streams_and_kept_alive_connections_under_the_limits(strict_server, ctx):
     """Reading a long response is not timed; a kept-alive connection serves several requests and is
     closed once idle for timeout_keep_alive."""
-    body = {"model": MODEL, "prompt": LONG_IDS[:20], "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+    # 800 tokens: a stream that lasts well past the 0.5 s read timeout (~2 ms a token here)
+    body = {"model": MODEL, "prompt": LONG_IDS[:20], "max_tokens": 800, "temperature": 0, "ignore_eos": True,
             "stream": True}
     with httpx.Client(base_url=strict_server.url, timeout=30) as h:
         t0 = time.perf_counter()
