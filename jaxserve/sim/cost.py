@@ -8,8 +8,9 @@ Features of a planned step (``step_features``), all host-visible:
                they cost
   rows         sequences in the step (per-row work: sampling, state reads and writes)
   mixed        1 for a step with a prefill chunk: mixed and decode steps run different programs
-               (chunked linear attention, snapshot entries); on a CPU a mixed step costs ~20x a
-               decode step before its first token
+               (chunked linear attention, snapshot entries)
+  chunked      rows of more than one token (prefill chunks: each its share of the linear-attention
+               chunk grid and of the scheduler's ``CHUNKED_ROWS``)
   attention    sum over rows of new tokens x context they attend to, in millions (prefill attention)
   context      sum over rows of context length, in thousands (KV read by decodes)
   snapshots    state copies: hit restores plus snapshot writes (the hybrid cache's traffic)
@@ -30,8 +31,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-FEATURES = ("const", "tokens", "rows", "mixed", "attention", "context", "snapshots")
-VERSION = 1
+FEATURES = ("const", "tokens", "rows", "mixed", "chunked", "attention", "context", "snapshots")
+VERSION = 2
 COSTS_DIR = Path(__file__).resolve().parent / "costs"
 
 
@@ -49,18 +50,20 @@ def _bucket(n: int, sizes: Sequence[int]) -> int:
 def step_features(rows, token_buckets: Sequence[int] = (), seq_buckets: Sequence[int] = ()) -> tuple[float, ...]:
     """The ``FEATURES`` of a step given its rows (``scheduler.Row``: ``tokens``, ``start``,
     ``restore_src``, ``snapshots``), in ``FEATURES`` order."""
-    n_tok, attention, context, snaps = 0, 0, 0, 0
+    n_tok, chunked, attention, context, snaps = 0, 0, 0, 0, 0
     decode = True
     for row in rows:
         n = len(row.tokens)
         end = row.start + n
         n_tok += n
+        chunked += n > 1
         decode = decode and n == 1
         attention += n * end
         context += end
         snaps += len(row.snapshots) + (1 if row.restore_src else 0)
     padded = _bucket(len(rows), seq_buckets) if decode else _bucket(n_tok, token_buckets)
-    return (1.0, float(padded), float(len(rows)), float(not decode), attention / 1e6, context / 1e3, float(snaps))
+    return (1.0, float(padded), float(len(rows)), float(not decode), float(chunked), attention / 1e6, context / 1e3,
+            float(snaps))
 
 
 @dataclasses.dataclass(frozen=True)
