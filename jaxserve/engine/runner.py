@@ -225,7 +225,9 @@ def make_batch(rows: Sequence[RowSpec], buckets: Buckets) -> Batch:
     T = B and takes the decode path. Raises ``ValueError`` on what the device cannot check: pages
     not covering the tokens, a snapshot the chunked kernels cannot produce (not 0, not the row's
     length, not on a ×64 boundary), slots shared between writers (invariant 2), more rows of more
-    than one token than ``buckets.chunked_rows``, or no bucket."""
+    than one token than ``buckets.chunked_rows`` (or more snapshots of theirs than T // 64 +
+    chunked_rows: ×64 boundaries are all the scheduler asks for), or no bucket. Snapshot entries of
+    rows of several tokens come first (``layers.Ragged``)."""
     if not rows:
         raise ValueError("a step needs at least one row")
     ps, width = buckets.page_size, buckets.pages_per_seq
@@ -240,8 +242,15 @@ def make_batch(rows: Sequence[RowSpec], buckets: Buckets) -> Batch:
         chunked = sum(len(r.tokens) > 1 for r in rows)
         if buckets.chunked_rows and chunked > buckets.chunked_rows:
             raise ValueError(f"{chunked} rows of more than one token exceed chunked_rows {buckets.chunked_rows}")
-    snaps = [(i, n, dst) for i, r in enumerate(rows) for n, dst in r.snapshots]
+    # those of rows of several tokens first: the chunked rule computes only the first
+    # T // 64 + chunked_rows entries (ModelConfig.chunked_rows), the rest come from one-token rows
+    snaps = sorted(((i, n, dst) for i, r in enumerate(rows) for n, dst in r.snapshots),
+                   key=lambda s: len(rows[s[0]].tokens) == 1)
     S = _fit(len(snaps), buckets.snapshot_sizes(T, decode), "snapshots")
+    chunked_snaps = sum(len(rows[i].tokens) > 1 for i, _, _ in snaps)
+    if buckets.chunked_rows and chunked_snaps > T // KEY_BLOCK + buckets.chunked_rows:
+        raise ValueError(f"{chunked_snaps} snapshots of rows of several tokens exceed T // {KEY_BLOCK} + chunked_rows "
+                         f"= {T // KEY_BLOCK + buckets.chunked_rows} (the ×{KEY_BLOCK} boundaries such rows can cross)")
 
     writers = [r.slot for r in rows if r.slot] + [dst for _, _, dst in snaps]
     if len(set(writers)) != len(writers) or any(dst == 0 for _, _, dst in snaps):

@@ -122,7 +122,8 @@ def _mixed_rule(cfg: ModelConfig, q, k, v, g, beta, init, r: Ragged):
     How: the multi-token rows' tokens are packed to the front in row order and the chunked rule
     sees the one-token rows as empty (their snapshot requests as length 0, so none falls outside
     its row); finals, snapshots and outputs of the one-token rows are then taken from the
-    recurrent step."""
+    recurrent step. The chunked rule computes only the snapshot entries rows of several tokens can
+    ask for (T // 64 + chunked_rows, first in ``Ragged``'s order), not all T // 64 + B."""
     T, B = q.shape[0], r.num_rows
     lens = jnp.diff(r.cu_seqlens)
     one = lens == 1
@@ -134,11 +135,14 @@ def _mixed_rule(cfg: ModelConfig, q, k, v, g, beta, init, r: Ragged):
     pack = lambda x: jnp.zeros_like(x).at[dst].set(x, mode="drop")  # noqa: E731
     snap_row = jnp.clip(r.snap_seq, 0, B - 1)
     snap_one = one[snap_row]
-    max_chunks = min(T // gdn_chunked.CHUNK + 2 * min(cfg.chunked_rows, B), T)
+    rows_m = min(cfg.chunked_rows, B)
+    max_chunks = min(T // gdn_chunked.CHUNK + 2 * rows_m, T)
+    S, S_m = r.snap_seq.shape[0], min(r.snap_seq.shape[0], T // gdn_chunked.CHUNK + rows_m)  # Ragged: those first
     o_m, final_m, snaps_m = _chunked_rule(cfg)(
         pack(q), pack(k), pack(v), pack(g), pack(beta), cu_seqlens=cu_m, initial_state=init,
-        start_pos=r.context_len, snapshot_seq=r.snap_seq, snapshot_len=jnp.where(snap_one, 0, r.snap_len),
-        max_chunks=max_chunks)
+        start_pos=r.context_len, snapshot_seq=r.snap_seq[:S_m],
+        snapshot_len=jnp.where(snap_one, 0, r.snap_len)[:S_m], max_chunks=max_chunks)
+    snaps_m = jnp.concatenate([snaps_m, jnp.zeros((S - S_m, *snaps_m.shape[1:]), snaps_m.dtype)])
     first = jnp.minimum(r.cu_seqlens[:-1], T - 1)  # a one-token row's token
     o_1, final_1 = jax.vmap(_one_token_rule)(q[first], k[first], v[first], g[first], beta[first], init)
     expand = lambda m, x: m.reshape(-1, *([1] * (x.ndim - 1)))  # noqa: E731

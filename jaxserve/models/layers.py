@@ -48,7 +48,9 @@ class Ragged(NamedTuple):
     snapshot it restores from; ignored, zero state, when ``context_len[b] == 0``) and leaves its
     final state in ``write_slot[b]``. Snapshot ``s`` stores the state after ``snap_len[s]`` tokens
     of row ``snap_seq[s]`` in slot ``snap_dst[s]`` (ARCHITECTURE.md invariants 1 and 2). Padding rows and
-    padding snapshot entries name slot 0, the null slot.
+    padding snapshot entries name slot 0, the null slot. Under ``ModelConfig.chunked_rows`` the entries
+    of rows of more than one token come first (``runner.make_batch`` orders them so; at most T // 64
+    + chunked_rows of them, the ×64 boundaries such rows can cross).
     """
 
     positions: jax.Array    # [T] int32

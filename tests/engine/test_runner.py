@@ -198,6 +198,8 @@ def case(request, oracle_dir, tmp_path_factory):
         model = dataclasses.replace(model, config=dataclasses.replace(model.config, kernels=kernels))
     else:
         model = load_model(oracle_dir / f"{request.param[0]}-{request.param[1]}", dtype="float32", progress=False)
+    # as the engine runs it: the scheduler's promise of few rows of several tokens (ModelConfig.chunked_rows)
+    model = dataclasses.replace(model, config=dataclasses.replace(model.config, chunked_rows=BUCKETS.chunked_rows))
     result = _run_schedule(model)
     # the reference is always the jnp stack (for the kernel case: kernels under test vs jnp)
     index, logp, at64 = _reference(dataclasses.replace(model, config=dataclasses.replace(model.config, kernels="jnp")),
@@ -302,6 +304,17 @@ def test_make_batch_rejects_more_rows_of_several_tokens_than_the_chunk_grid_hold
     with pytest.raises(ValueError, match="exceed chunked_rows 2"):
         runner.make_batch(rows, two)
     runner.make_batch(rows[:2] + [runner.RowSpec(tokens=[3], start=5, pages=[9], slot=9)], two)  # one-token rows are free
+
+
+def test_make_batch_puts_the_snapshots_of_rows_of_several_tokens_first():
+    """The chunked rule computes only the first T // 64 + chunked_rows snapshot entries (Ragged)."""
+    rows = [runner.RowSpec(tokens=[1], start=63, pages=[1, 2, 3, 4], slot=1, snapshots=[(1, 5)]),
+            runner.RowSpec(tokens=[2] * 70, start=0, pages=[5, 6, 7, 8, 9], slot=2, snapshots=[(64, 6)])]
+    b = runner.make_batch(rows, BUCKETS)
+    assert b.snap_seq[:2].tolist() == [1, 0] and b.snap_len[:2].tolist() == [64, 1] and b.snap_dst[:2].tolist() == [6, 5]
+    two = runner.RowSpec(tokens=[2] * 3, start=62, pages=[1, 2, 3, 4], slot=1, snapshots=[(0, 20), (2, 21)])
+    with pytest.raises(ValueError, match="snapshots of rows of several tokens exceed"):
+        runner.make_batch([two], dataclasses.replace(BUCKETS, chunked_rows=1, tokens=(32,)))
 
 
 def test_buckets_for_limits():
