@@ -10,6 +10,8 @@ compiled up front) and then must serve a mix of requests without compiling anyth
 
 from __future__ import annotations
 
+import dataclasses
+
 import re
 import subprocess
 import sys
@@ -239,8 +241,8 @@ def test_engine_plans_compiles_and_serves_without_compiling(tiny, monkeypatch):
     monkeypatch.setattr(startup, "MARGIN_BYTES", 0)
     monkeypatch.setattr(startup, "MARGIN_FRACTION", 0.0)
     model = load_model(tiny, dtype="float32", progress=False)
-    cfg = model.config
     b = runner.Buckets.for_limits(max_prefill_tokens=256, max_seqs=2, max_model_len=1024, page_size=16)
+    cfg = dataclasses.replace(model.config, chunked_rows=b.chunked_rows)  # as build_engine runs it
     compiler = startup.StepCompiler(model.params, cfg, b)
     shapes = startup.pool_structs(cfg, jnp.float32, plan_pools(cfg, jnp.float32, page_size=16, max_seqs=2,
                                                                num_pages=100, num_slots=20))
