@@ -97,8 +97,9 @@ def kernel_breakdown(engine, batch: int, prompt_len: int, seed: int, hlo_out: Pa
 
 def prefill_breakdown(engine, length: int, seed: int, hlo_out: Path | None = None) -> dict | None:
     """One cold prompt of ``length`` random tokens and one output token on an idle engine: its wall
-    time (the in-process TTFT, median of 3) and the per-kernel GPU time of its prefill step, named
-    like ``kernel_breakdown``'s."""
+    time (the in-process TTFT, median of 3) and the per-kernel GPU time of its prefill steps (one, or
+    several of the largest program for a prompt longer than the token budget), named like
+    ``kernel_breakdown``'s."""
     from jaxserve import profiling
     from jaxserve.sampling_params import SamplingParams
 
@@ -125,7 +126,7 @@ def prefill_breakdown(engine, length: int, seed: int, hlo_out: Path | None = Non
     if not per:
         return wall
     b = engine.executor.buckets
-    T = next(t for t in b.tokens if t >= length)
+    T = next((t for t in b.tokens if t >= length), b.tokens[-1])  # longer prompts: steps of the largest
     return {**wall, **named_breakdown(engine, per, (T, b.rows_for(T), b.snapshot_sizes(T, False)[-1], False), hlo_out)}
 
 
@@ -169,6 +170,64 @@ def agreement(base: dict, other: dict) -> dict:
             "requests_diverged": diverged, "requests": len(base)}
 
 
+def forced_agreement(engine, cfgs: list, rows: int, prompt_len: int, steps: int, seed: int) -> dict:
+    """Teacher-forced greedy top-1 agreement of each of ``cfgs[1:]`` with ``cfgs[0]``: ``rows`` random
+    prompts prefilled together, then ``steps`` decode steps in which every setting is fed the
+    baseline's argmax token, so each position compares the settings on the same context. (The
+    free-running ``agreement`` stops at a request's first divergence, which on a random-weight
+    model's flat logits is often a near-tie within bf16 rounding.) Per setting: the share of
+    positions (prefill's last token included) whose argmax agrees, the baseline's top-2 logit gap at
+    each disagreement, and the largest |logit| difference. Runs the engine's step programs directly
+    on the idle engine's pools (pages 1.., slots 1..rows) and a copy per other setting."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxserve.engine import runner
+
+    ex = engine.executor
+    engine.scheduler.cache.flush()
+    b, rng = ex.buckets, random.Random(seed)
+    n_pages = -(-(prompt_len + steps) // b.page_size)
+    prompts = [random_ids(rng, engine, prompt_len) for _ in range(rows)]
+    pages = [list(range(1 + i * n_pages, 1 + (i + 1) * n_pages)) for i in range(rows)]
+    pools = [ex.pools] + [jax.tree.map(jnp.copy, ex.pools) for _ in cfgs[1:]]
+    stats = [{"positions": 0, "agree": 0, "gaps_at_disagreement": [], "max_abs_logit_diff": 0.0} for _ in cfgs[1:]]
+
+    def run(specs) -> np.ndarray:
+        """One step of ``specs`` under every setting; returns the baseline's argmax per row."""
+        batch = runner.make_batch(specs, b)
+        logits = []
+        for k, cfg in enumerate(cfgs):
+            out, pools[k] = runner.step(ex.params, cfg, pools[k], batch, feed_tokens=runner.feed_buffer(b.seqs[-1]),
+                                        return_logits=True, placement=ex.placement)
+            logits.append(out.logits[:len(specs)])
+        top2 = jax.lax.top_k(logits[0], 2)[0]
+        base = np.asarray(jnp.argmax(logits[0], -1))
+        gap = np.asarray(top2[:, 0] - top2[:, 1])
+        for st, lo in zip(stats, logits[1:]):
+            got = np.asarray(jnp.argmax(lo, -1))
+            st["positions"] += len(specs)
+            st["agree"] += int((got == base).sum())
+            st["gaps_at_disagreement"] += [round(float(g), 4) for g in gap[got != base]]
+            st["max_abs_logit_diff"] = max(st["max_abs_logit_diff"], float(jnp.max(jnp.abs(lo - logits[0]))))
+        return base
+
+    fed = []
+    per_step = b.chunked_rows or rows  # rows of several tokens a step may hold
+    for lo in range(0, rows, per_step):
+        ids = range(lo, min(rows, lo + per_step))
+        fed += run([runner.RowSpec(tokens=prompts[i], start=0, pages=pages[i], slot=1 + i) for i in ids]).tolist()
+    for j in range(steps - 1):
+        fed = run([runner.RowSpec(tokens=[fed[i]], start=prompt_len + j, pages=pages[i], slot=1 + i)
+                   for i in range(rows)]).tolist()
+    ex.pools = pools[0]
+    for st in stats:
+        st["share"] = round(st["agree"] / max(1, st["positions"]), 4)
+        st["max_abs_logit_diff"] = round(st["max_abs_logit_diff"], 4)
+    return {"rows": rows, "prompt_len": prompt_len, "steps": steps, "per_setting": stats}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", type=Path, default=ROOT / "runs/e2e-ck")
@@ -179,6 +238,8 @@ def main() -> None:
     ap.add_argument("--scan-layers", action="store_true", help="the engine's stacked layout (EngineArgs.scan_layers)")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new", type=int, default=128, help="tokens generated per request")
+    ap.add_argument("--forced-steps", type=int, default=0,
+                    help="teacher-forced agreement of the settings over this many positions of each of 32 rows, first")
     args = ap.parse_args()
     from jaxserve.engine.llm import EngineArgs, build_engine
 
@@ -196,12 +257,17 @@ def main() -> None:
            "rows": [], "breakdown": {},
            "agreement": {}}
     base_cfg, tokens = engine.executor.cfg, {}
+    if args.forced_steps and len(settings) > 1:
+        cfgs = [dataclasses.replace(base_cfg, kernels=k) for k in settings]
+        res["forced_agreement"] = forced_agreement(engine, cfgs, 32, args.prompt_len, args.forced_steps, seed=400)
+        log(f"forced agreement: {json.dumps(res['forced_agreement'])[:2000]}")
+        args.out.write_text(json.dumps(res, indent=1))
     for n in [int(x) for x in args.prefill_lens.split(",") if x]:
         bd = prefill_breakdown(engine, n, seed=300 + n, hlo_out=args.out.with_name(f"{args.out.stem}-prefill{n}.hlo.txt"))
         res["breakdown"][f"{settings[0]} prefill {n}"] = bd
         log(f"prefill {n}: {json.dumps(bd, indent=1)[:4000]}")
         args.out.write_text(json.dumps(res, indent=1))
-    for b in map(int, args.batches.split(",")):  # batch outermost: a cut-short run still compares settings
+    for b in [int(x) for x in args.batches.split(",") if x]:  # batch outermost: a cut-short run still compares settings
         for k, kernels in enumerate(settings):
             engine.executor.cfg = dataclasses.replace(base_cfg, kernels=kernels)  # static under jit: new programs
             for overlap in ((False, True) if k == 0 else (True,)):

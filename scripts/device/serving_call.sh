@@ -6,7 +6,7 @@
 #   moe      the MoE kernel's GPU check and timings (pallas_kernels/moe.py)
 #   decode   in-process decode tok/s (sync vs overlapped loop) and a per-kernel breakdown, each kernel
 #            named by its JAX ops (benchmarks/decode_profile.py; the programs' HLO in $OUT/decode-hlo.tgz), with $KERNELS (default auto) at $BATCHES (default 1,32);
-#            and the cold prefill steps of $PREFILL_LENS (e.g. 512,2048) first; more flags in $DECODE_ARGS
+#            (BATCHES= for none) and the cold prefill steps of $PREFILL_LENS (e.g. 512,2048) first; more flags in $DECODE_ARGS
 #            (e.g. --scan-layers);
 #            it gets the call's time left (CALL_LIMIT, default 590 s) less $E2E_RESERVE
 #   linear   the decode-step dense projections' timings (pallas_kernels/linear_small.py vs XLA's dot; checked by
@@ -69,7 +69,7 @@ if [[ $parts == *,memory,* ]]; then
   wait; for k in auto jnp; do echo "== decode memory, kernels $k"; grep "^\[" "$OUT/memory-$k.log"; done
 fi
 if [[ $parts == *,decode,* ]]; then
-  timeout ${DECODE_TIMEOUT:-$(( $(left) - ${E2E_RESERVE:-0} ))} python3 benchmarks/decode_profile.py --batches "${BATCHES:-1,32}" \
+  timeout ${DECODE_TIMEOUT:-$(( $(left) - ${E2E_RESERVE:-0} ))} python3 benchmarks/decode_profile.py --batches "${BATCHES-1,32}" \
     --kernels "${KERNELS:-auto}" --prefill-lens "${PREFILL_LENS:-}" ${DECODE_ARGS:-} --out "$OUT/decode.json" > "$OUT/decode.log" 2>&1
   echo "decode rc=$?"; grep -v "^\s*$" "$OUT/decode.log" | tail -14 | cut -c1-600
   (cd "$OUT" && ls decode-*.hlo.txt >/dev/null 2>&1 && tar czf decode-hlo.tgz decode-*.hlo.txt && rm decode-*.hlo.txt)
