@@ -239,7 +239,7 @@ def _layer_body(p: dict, cfg: ModelConfig, i: int, j, x: jax.Array, r: Ragged, p
         pools = pools._replace(conv=conv, rec=rec)
     else:
         with jax.named_scope("self_attn"):
-            h, k, v = attention(p["self_attn"], cfg, layer_type, h, r, pools.k, pools.v, j)
+            h, k, v = attention(p["self_attn"], cfg, layer_type, h, r, pools.k, pools.v, j, decode)
         pools = pools._replace(k=k, v=v)
     x = x + h
     h = rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps, cfg.zero_centered_norm)

@@ -231,7 +231,7 @@ def attention_out(p: dict, cfg: ModelConfig, out: jax.Array, gate: jax.Array | N
     return linear(out, p["o_proj"])
 
 
-def paged_attention(q, k, v, k_pool, v_pool, layer: int, r: Ragged, window: int | None):
+def paged_attention(q, k, v, k_pool, v_pool, layer: int, r: Ragged, window: int | None, blocked_rows: int = 0):
     """The attention mixer backend: write the new keys/values into their pages, then causal GQA of
     every token over its row's pages. Returns (out [T, nh*hd], k_pool, v_pool).
 
@@ -246,6 +246,12 @@ def paged_attention(q, k, v, k_pool, v_pool, layer: int, r: Ragged, window: int 
     with an online (flash-style) fp32 softmax, so memory is O(T · KEY_BLOCK), not O(T · context).
     A key is visible iff ``key_pos <= query_pos`` (and within ``window`` for sliding layers);
     masked values are zeroed before use so whatever the null page holds never reaches a real row.
+
+    Each query gathers the key blocks it reads, so a prefill of T tokens moved T copies of its
+    context. ``blocked_rows`` (static; the engine's ``ModelConfig.chunked_rows`` promise that at
+    most that many rows hold more than one token): such rows' tokens go in query blocks of
+    ``KEY_BLOCK`` tokens of one row, which gather each key block once for the 64; one-token rows
+    stay one query each. Same results (the same fp32 online softmax per query).
     """
     T, nh, hd = q.shape
     nkv, vd = k.shape[1], v.shape[-1]  # vd != hd under MLA
@@ -262,44 +268,80 @@ def paged_attention(q, k, v, k_pool, v_pool, layer: int, r: Ragged, window: int 
     v_pool = v_pool.at[layer, dst_page, dst_off].set(v.astype(v_pool.dtype))
 
     groups = nh // nkv
-    block_pages = KEY_BLOCK // page_size
-    qg = q.reshape(T, nkv, groups, hd)
-    q_pos = r.positions[:, None]
     n_blocks = jnp.max(r.positions) // KEY_BLOCK + 1
+    if not blocked_rows:  # every token its own query unit
+        out, k_pool, v_pool = _attend(q.reshape(T, 1, nkv, groups, hd), r.positions[:, None], row, real, r.page_table,
+                                      k_pool, v_pool, layer, n_blocks, window, vd)
+        return out.astype(q.dtype).reshape(T, nh * vd), k_pool, v_pool
+    # rows of several tokens in query blocks of KEY_BLOCK tokens of one row (at most T // 64 + rows
+    # of them), each block gathering a key block once; one-token rows one query each
+    lens = jnp.diff(r.cu_seqlens)
+    multi = lens > 1
+    per_row = jnp.where(multi, (lens + KEY_BLOCK - 1) // KEY_BLOCK, 0)
+    blk_end = jnp.cumsum(per_row)
+    NQ = T // KEY_BLOCK + min(blocked_rows, n_rows)
+    blk = jnp.arange(NQ, dtype=jnp.int32)
+    blk_row = jnp.minimum(jnp.searchsorted(blk_end, blk, side="right"), n_rows - 1).astype(jnp.int32)
+    local = (blk - (blk_end - per_row)[blk_row])[:, None] * KEY_BLOCK + jnp.arange(KEY_BLOCK, dtype=jnp.int32)
+    used = (blk < blk_end[-1])[:, None] & (local < lens[blk_row][:, None])  # [NQ, KB]
+    tok = jnp.where(used, r.cu_seqlens[blk_row][:, None] + local, 0)
+    q_blk = q[tok].reshape(NQ, KEY_BLOCK, nkv, groups, hd)
+    out_blk, k_pool, v_pool = _attend(q_blk, jnp.where(used, r.positions[tok], -1), blk_row, used.any(axis=1),
+                                      r.page_table, k_pool, v_pool, layer, n_blocks, window, vd)
+    first = jnp.minimum(r.cu_seqlens[:-1], T - 1)
+    out_one, k_pool, v_pool = _attend(q[first].reshape(n_rows, 1, nkv, groups, hd), r.positions[first][:, None],
+                                      jnp.arange(n_rows, dtype=jnp.int32), lens == 1, r.page_table, k_pool, v_pool,
+                                      layer, n_blocks, window, vd)
+    mine = r.seq < n_rows
+    at = jnp.arange(T, dtype=jnp.int32) - r.cu_seqlens[row]  # a token's index in its row
+    tok_blk = jnp.clip((blk_end - per_row)[row] + at // KEY_BLOCK, 0, NQ - 1)
+    from_blk = out_blk[tok_blk, at % KEY_BLOCK]
+    out = jnp.where((mine & multi[row])[:, None, None], from_blk, out_one[row, 0])
+    return out.astype(q.dtype).reshape(T, nh * vd), k_pool, v_pool
+
+
+def _attend(qg, q_pos, unit_row, unit_valid, page_table, k_pool, v_pool, layer, n_blocks, window, vd):
+    """Online-softmax attention of ``N`` query units of ``L`` queries each (``qg [N, L, kvh, g, d]``
+    at positions ``q_pos [N, L]``; a query at position -1 sees nothing) over the pages of row
+    ``unit_row[n]`` (the null page where ``unit_valid`` is False), ``KEY_BLOCK`` keys at a time: each
+    unit gathers a key block once for its L queries. Returns (fp32 out [N, L, kvh * g, vd], pools)."""
+    N, L, nkv, groups, hd = qg.shape
+    page_size = k_pool.shape[2]
+    block_pages = KEY_BLOCK // page_size
     neg = jnp.float32(-1e30)  # finite: a fully masked block must not make exp(-inf - -inf) = nan
 
     def block(j, carry):
         m, l, acc, k_pool, v_pool = carry
-        ids = lax.dynamic_slice_in_dim(r.page_table, j * block_pages, block_pages, axis=1)  # [B, bp]
-        ids = jnp.where(real[:, None], ids[row], 0)  # [T, bp]; padding tokens -> null page
-        kb = k_pool[layer, ids].reshape(T, KEY_BLOCK, nkv, hd)
-        vb = v_pool[layer, ids].reshape(T, KEY_BLOCK, nkv, vd)
-        k_pos = j * KEY_BLOCK + jnp.arange(KEY_BLOCK)[None, :]
-        visible = k_pos <= q_pos  # [T, KB]
+        ids = lax.dynamic_slice_in_dim(page_table, j * block_pages, block_pages, axis=1)  # [B, bp]
+        ids = jnp.where(unit_valid[:, None], ids[unit_row], 0)  # [N, bp]; padding -> null page
+        kb = k_pool[layer, ids].reshape(N, KEY_BLOCK, nkv, hd)
+        vb = v_pool[layer, ids].reshape(N, KEY_BLOCK, nkv, vd)
+        k_pos = j * KEY_BLOCK + jnp.arange(KEY_BLOCK)
+        visible = k_pos[None, None, :] <= q_pos[:, :, None]  # [N, L, KB]
         if window is not None:
-            visible &= k_pos > q_pos - window
-        vb = jnp.where(visible[:, :, None, None], vb, 0).astype(q.dtype)
-        s = jnp.einsum("tkgd,tlkd->tkgl", qg, kb.astype(q.dtype), preferred_element_type=jnp.float32)
-        s = jnp.where(visible[:, None, None, :], s * (hd**-0.5), neg)
+            visible &= k_pos[None, None, :] > q_pos[:, :, None] - window
+        # values no query of the unit sees are zeroed: whatever the null page holds never reaches a real row
+        vb = jnp.where(visible.any(axis=1)[:, :, None, None], vb, 0).astype(qg.dtype)
+        s = jnp.einsum("nqkgd,nlkd->nqkgl", qg, kb.astype(qg.dtype), preferred_element_type=jnp.float32)
+        s = jnp.where(visible[:, :, None, None, :], s * (hd**-0.5), neg)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.exp(s - m_new[..., None])
         scale = jnp.exp(m - m_new)
         l = l * scale + jnp.sum(p, axis=-1)
-        pv = jnp.einsum("tkgl,tlkd->tkgd", p.astype(q.dtype), vb, preferred_element_type=jnp.float32)
+        pv = jnp.einsum("nqkgl,nlkd->nqkgd", p.astype(qg.dtype), vb, preferred_element_type=jnp.float32)
         return m_new, l, acc * scale[..., None] + pv, k_pool, v_pool
 
     # The pools ride in the loop carry, unchanged, and the loop's outputs are used afterwards: a
     # pool merely closed over would stay live beside the loop's own copy, and XLA would copy the
     # whole pool (every layer's KV) per layer per step.
-    init = (jnp.full((T, nkv, groups), neg), jnp.zeros((T, nkv, groups), jnp.float32),
-            jnp.zeros((T, nkv, groups, vd), jnp.float32), k_pool, v_pool)
+    init = (jnp.full((N, L, nkv, groups), neg), jnp.zeros((N, L, nkv, groups), jnp.float32),
+            jnp.zeros((N, L, nkv, groups, vd), jnp.float32), k_pool, v_pool)
     _, l, acc, k_pool, v_pool = lax.fori_loop(0, n_blocks, block, init)
-    out = (acc / l[..., None]).astype(q.dtype).reshape(T, nh * vd)
-    return out, k_pool, v_pool
+    return (acc / l[..., None]).reshape(N, L, nkv * groups, vd), k_pool, v_pool
 
 
 def attention(p: dict, cfg: ModelConfig, layer_type: str, x: jax.Array, r: Ragged, k_pool: jax.Array,
-              v_pool: jax.Array, layer: int):
+              v_pool: jax.Array, layer: int, decode: bool = False):
     """Causal GQA with q/k norm, partial RoPE and (hybrid families) a sigmoid output gate, over
     paged KV. x [T, H]; ``layer`` indexes this layer in the pools. Returns (y, k_pool, v_pool)."""
     q, k, v, gate = attention_in(p, cfg, x, r.positions if r.rope_pos is None else r.rope_pos)
@@ -308,7 +350,8 @@ def attention(p: dict, cfg: ModelConfig, layer_type: str, x: jax.Array, r: Ragge
         out, k_pool, v_pool = paged_attention_kernel.paged_attention(
             q, k, v, k_pool, v_pool, layer, r, window, interpret=backends.interpret(cfg))
     else:
-        out, k_pool, v_pool = paged_attention(q, k, v, k_pool, v_pool, layer, r, window)
+        out, k_pool, v_pool = paged_attention(q, k, v, k_pool, v_pool, layer, r, window,
+                                              blocked_rows=0 if decode else cfg.chunked_rows)
     return attention_out(p, cfg, out, gate), k_pool, v_pool
 
 

@@ -201,9 +201,10 @@ def case(request, oracle_dir, tmp_path_factory):
     # as the engine runs it: the scheduler's promise of few rows of several tokens (ModelConfig.chunked_rows)
     model = dataclasses.replace(model, config=dataclasses.replace(model.config, chunked_rows=BUCKETS.chunked_rows))
     result = _run_schedule(model)
-    # the reference is always the jnp stack (for the kernel case: kernels under test vs jnp)
-    index, logp, at64 = _reference(dataclasses.replace(model, config=dataclasses.replace(model.config, kernels="jnp")),
-                                   result["seqs"])
+    # the reference is always the jnp stack without the engine's promise (for the kernel case:
+    # kernels under test vs jnp; for every case: blocked and split forms vs the plain ones)
+    plain = dataclasses.replace(model.config, kernels="jnp", chunked_rows=0)
+    index, logp, at64 = _reference(dataclasses.replace(model, config=plain), result["seqs"])
     return model, result, index, logp, at64
 
 
