@@ -117,7 +117,7 @@ def test_conv1d_kernel_where_the_conv_dim_fits(monkeypatch):
     from jaxserve.models import gated_deltanet
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert backends.AUTO_ON_GPU == {"gdn_decode", "gdn_prefill", "paged_attention", "conv1d", "moe"}
+    assert backends.AUTO_ON_GPU == {"gdn_decode", "gdn_prefill", "paged_attention", "conv1d", "moe", "linear"}
     cfg = dataclasses.replace(_cfg("auto"), linear_key_head_dim=64, linear_value_head_dim=64)
     assert cfg.linear_conv_dim % 128 == 0 and gated_deltanet.use_conv_kernel(cfg)
     assert not gated_deltanet.use_conv_kernel(dataclasses.replace(cfg, kernels="jnp"))
