@@ -20,6 +20,18 @@ jax.config.update("jax_enable_compilation_cache", False)
 # into ~/.cache/jaxserve/xla): a test that wants one passes its own directory.
 os.environ["JAXSERVE_COMPILE_CACHE"] = "off"
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """After each test module, drop JAX's caches of compiled programs. Each XLA CPU executable holds
+    memory mappings of its own; one long process (tests/engine compiles hundreds of programs) grew
+    to ~60,000 mappings, next to the kernel's vm.max_map_count (65,530), and the next compile died
+    in XLA (SIGSEGV or SIGABRT, in whichever test came next). Executables a live fixture still
+    holds stay valid; a later call of a dropped program compiles it again."""
+    yield
+    jax.clear_caches()
+
+
 # Every family variant weights/tiny.py writes; each is checked against transformers.
 CHECKPOINTS = [
     ("qwen3_5", "dense"), ("qwen3_5", "untied"), ("qwen3_5", "vl"),
