@@ -33,8 +33,8 @@ if [ "${JAXSERVE_TEST_COLLECT:-0}" = 1 ]; then pytest_cmd+=(--collect-only -q); 
 mapfile -t test_files < <(find tests -type f \( -name 'test_*.py' -o -name '*_test.py' \) | sort)
 mapfile -t interpreted < <(grep -l 'interpret=True' "${test_files[@]}" || true)
 interpreted+=(tests/parallel/test_replicas.py)  # alone too: three servers and two routers as subprocesses
-# alone too: its stacked 24-layer prefill compile crashed XLA's CPU compiler (SIGSEGV) late in the
-# long tests/engine process, and passes in a process of its own
+# alone too: its stacked 24-layer programs are tests/engine's largest compiles (the long process
+# once ran out of memory mappings there; tests/conftest.py drops compiled programs between modules)
 interpreted+=(tests/engine/test_step_memory.py)
 runner=tests/engine/test_runner.py
 mapfile -t runner_cases < <("$py" -m pytest -p no:cacheprovider --collect-only "$runner" -k kernel- 2>/dev/null \
