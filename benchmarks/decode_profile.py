@@ -235,7 +235,8 @@ def main() -> None:
     ap.add_argument("--kernels", default="auto", help="';'-separated settings of EngineArgs.kernels")
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--prefill-lens", default="", help="prompt lengths whose cold prefill step to break down first")
-    ap.add_argument("--scan-layers", action="store_true", help="the engine's stacked layout (EngineArgs.scan_layers)")
+    ap.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
+                    help="the engine's stacked layout (EngineArgs.scan_layers); --no-scan-layers: the layers as a list")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new", type=int, default=128, help="tokens generated per request")
     ap.add_argument("--forced-steps", type=int, default=0,

@@ -7,7 +7,7 @@
 #   decode   in-process decode tok/s (sync vs overlapped loop) and a per-kernel breakdown, each kernel
 #            named by its JAX ops (benchmarks/decode_profile.py; the programs' HLO in $OUT/decode-hlo.tgz), with $KERNELS (default auto) at $BATCHES (default 1,32);
 #            (BATCHES= for none) and the cold prefill steps of $PREFILL_LENS (e.g. 512,2048) first; more flags in $DECODE_ARGS
-#            (e.g. --scan-layers);
+#            (e.g. --no-scan-layers);
 #            it gets the call's time left (CALL_LIMIT, default 590 s) less $E2E_RESERVE
 #   linear   the decode-step dense projections' timings (pallas_kernels/linear_small.py vs XLA's dot; checked by
 #            the check part when CHECK_SUITES names linear)

@@ -115,14 +115,17 @@ def test_sampling_is_seeded_per_request_and_top_k_1_is_greedy(llm):
     assert_pools_free_after_flush(engine)
 
 
-def test_scan_layers_serves_as_the_unrolled_layers(oracle_dir):
-    """``scan_layers``: the engine loads the repeating layers stacked and scans them; its greedy
-    tokens, prefix hits included, are those of the unrolled layers (``generate`` on the list layout)."""
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_scan_layers_serves_as_the_unrolled_layers(oracle_dir, scan_layers):
+    """``scan_layers`` (the default): the engine loads the repeating layers stacked and scans them;
+    ``scan_layers=False`` keeps them as a list. Either way its greedy tokens, prefix hits included,
+    are those of the unrolled layers (``generate`` on the list layout)."""
     from weights.loader import load_model
 
     folder = oracle_dir / "qwen3_5_moe-moe"
-    llm = make_llm(folder, scan_layers=True)
-    assert set(llm.engine.executor.params["layers"]) == {"head", "period", "tail"}
+    llm = make_llm(folder, scan_layers=scan_layers)
+    layers = llm.engine.executor.params["layers"]
+    assert set(layers) == {"head", "period", "tail"} if scan_layers else isinstance(layers, list)
     unrolled = load_model(folder, dtype="float32", progress=False)
     rng = random.Random(4)
     base = [rng.randrange(VOCAB) for _ in range(150)]
