@@ -24,7 +24,9 @@ CHUNK = 64
 T, N, S = 600, 4, 6  # packed tokens, sequences, snapshots per call (fixed: one compile per head config)
 HK, DK, DV = 2, 16, 8
 MAX_LEN = T // N
-TOL = 1e-5  # chunked vs recurrent, both fp32
+TOL = 3e-5  # chunked vs recurrent, both fp32: the chunked form takes decays as differences of
+# cumulative log-gates (down to ~-500 over a chunk at gate_scale 8), ~eps * |sum| apart; 201 seeds of
+# that case (one 64-token row): worst 1.06e-5 of the scale; a CI run drew one just over the old 1e-5
 TORCH_TOL = 1e-5  # observed errors are ~1e-6 of the output scale
 
 PROPERTY_SETTINGS = settings(max_examples=12, deadline=None, database=None,
