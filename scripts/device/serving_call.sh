@@ -3,6 +3,10 @@
 # checkpoint (written once per warm machine into runs/e2e-ck), then the parts named in $PARTS:
 #   check    benchmarks/gpu_check.py --suites $CHECK_SUITES (default decode,paged_attention), run while
 #            the checkpoint is written
+#   hammer   benchmarks/engine_hammer.py (2 rounds) with --kernels $HAMMER_KERNELS, beside the check part; in fp32 at
+#            matmul precision highest unless HAMMER_BF16=1 (there a hit must equal its cold answer exactly)
+#   kernels  benchmarks/kernels.py --only $KERNEL_SUITES (e.g. gdn_fused,kda_fused) beside fla (--peer-budget
+#            $PEER_S, default 90 s), after the check part (a variant the check failed is not timed)
 #   moe      the MoE kernel's GPU check and timings (pallas_kernels/moe.py)
 #   decode   in-process decode tok/s (sync vs overlapped loop) and a per-kernel breakdown, each kernel
 #            named by its JAX ops (benchmarks/decode_profile.py; the programs' HLO in $OUT/decode-hlo.tgz), with $KERNELS (default auto) at $BATCHES (default 1,32);
@@ -31,8 +35,14 @@ if [ -d .whl ]; then
     > "$OUT/pip.log" 2>&1 && export PYTHONPATH=/tmp/site
 fi
 if [[ $parts == *,check,* ]]; then
-  timeout ${CHECK_TIMEOUT:-200} python3 benchmarks/gpu_check.py --suites "${CHECK_SUITES:-decode,paged_attention}" \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${CHECK_TIMEOUT:-200} python3 benchmarks/gpu_check.py --suites "${CHECK_SUITES:-decode,paged_attention}" \
     --out "$OUT" > "$OUT/gpu_check.log" 2>&1 &
+fi
+if [[ $parts == *,hammer,* ]]; then
+  hp=(--dtype float32 --precision highest); [ "${HAMMER_BF16:-0}" = 1 ] && hp=()
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${HAMMER_TIMEOUT:-200} python3 benchmarks/engine_hammer.py \
+    --out "$OUT/hammer.json" --rounds 2 --time-budget $(( ${HAMMER_TIMEOUT:-200} - 70 )) "${hp[@]}" \
+    --kernels "$HAMMER_KERNELS" > "$OUT/hammer.log" 2>&1 &
 fi
 if [[ $parts == *,decode,* || $parts == *,e2e,* || $parts == *,sim,* ]] && [ ! -f runs/e2e-ck/model.safetensors ]; then
   t0=$(date +%s)
@@ -47,6 +57,14 @@ if [[ $parts == *,check,* ]]; then
     # the MoE small path (off by default until checked) passed its check: the rest of this call serves with it
     sed -i 's/^SMALL_PATH_ON = .*/SMALL_PATH_ON = True/' pallas_kernels/moe.py; echo "moe small path ON for this call"
   fi
+fi
+if [[ $parts == *,hammer,* ]]; then
+  wait; echo "hammer done at $(( $(date +%s) - start ))s"; tail -6 "$OUT/hammer.log" | cut -c1-400
+fi
+if [[ $parts == *,kernels,* ]]; then
+  timeout ${KERNELS_TIMEOUT:-200} python3 benchmarks/kernels.py --only "$KERNEL_SUITES" --out "$OUT" \
+    --peer-budget ${PEER_S:-90} > "$OUT/kernels.log" 2>&1
+  echo "kernels rc=$?"; grep "^|" "$OUT/kernels.log" | tail -12 | cut -c1-400
 fi
 if [[ $parts == *,moe,* ]]; then
   if [[ $parts != *,check,* || ${CHECK_SUITES:-} != *moe* ]]; then  # else the check part ran it
