@@ -442,6 +442,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "hits the cache of the one before) and report throughput vs concurrency")
     b.add_argument("--no-ignore-eos", action="store_true",
                    help="do not send vLLM's ignore_eos: requests may stop before --output-len")
+    b.add_argument("--no-logprobs", action="store_true",
+                   help="do not ask for the sampled tokens' logprobs; then a token whose text the server holds back "
+                        "(part of a multi-byte character) is timed when its text arrives")
     b.add_argument("--json", default=None, metavar="PATH",
                    help="write the full result (config, summary per run, one row per request) to PATH; "
                         "'-' prints it on stdout instead of the table")

@@ -194,9 +194,12 @@ def test_conversation_grows_with_each_answer():
 def test_request_body():
     b = request_body("completions", "m", [1, 2], 8, ignore_eos=True)
     assert b == {"model": "m", "prompt": [1, 2], "max_tokens": 8, "temperature": 0, "stream": True,
-                 "stream_options": {"include_usage": True}, "ignore_eos": True}
+                 "stream_options": {"include_usage": True}, "logprobs": 0, "ignore_eos": True}
     c = request_body("chat", "m", [{"role": "user", "content": "x"}], 2, ignore_eos=False, stream=False)
     assert "messages" in c and "ignore_eos" not in c and "stream_options" not in c and not c["stream"]
+    assert "logprobs" not in c                                                # only streamed requests time tokens
+    assert request_body("chat", "m", [], 2, ignore_eos=False)["logprobs"] is True
+    assert "logprobs" not in request_body("completions", "m", [1], 2, ignore_eos=False, token_logprobs=False)
 
 
 def test_arrivals():
@@ -294,6 +297,21 @@ def test_random_workload(url, tmp_path, capsys):
     _check_run(run, 6)
     assert all(r["prompt_tokens"] == r["input_len"] and 36 <= r["input_len"] <= 60 for r in run["requests"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("out_len", [1, 5])
+def test_every_token_is_timed(url, capsys, out_len):
+    """The sampled tokens' logprobs make every generated token a chunk of its own, whatever its text:
+    one TTFT and ``out_len - 1`` ITLs a request, also for a one-token answer (a prefill benchmark's
+    TTFT), over random ids from the whole vocabulary."""
+    rc = main(["bench", "--url", url, "--num-prompts", "3", "--input-len", "20", "--output-len", str(out_len),
+               "--token-ids", "0", "500", "--max-concurrency", "1", "--seed", "5", "--json", "-"])
+    (run,) = json.loads(capsys.readouterr().out)["runs"]
+    assert rc == 0
+    for r in run["requests"]:
+        assert r["error"] is None and r["output_tokens"] == out_len
+        assert r["ttft_ms"] is not None and 0 < r["ttft_ms"] <= r["e2e_ms"]
+        assert len(r["itl_ms"]) == out_len - 1
 
 
 def test_shared_prefix_hits_the_cache(url, capsys):

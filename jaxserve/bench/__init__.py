@@ -17,11 +17,14 @@ Workloads (``make_workload``, deterministic in ``--seed``):
 
 Load: session starts follow a Poisson process of ``--request-rate`` per second (``inf``: all at once),
 and at most ``--max-concurrency`` requests are in flight. Every request streams, greedy, with
-``max_tokens`` = its output length and vLLM's ``ignore_eos`` (unless ``--no-ignore-eos``).
+``max_tokens`` = its output length and vLLM's ``ignore_eos`` (unless ``--no-ignore-eos``), and
+asks for the sampled tokens' logprobs (unless ``--no-logprobs``) so that every token is a chunk
+of its own: a server sends no chunk for a token whose text it holds back (part of a multi-byte
+character, common with random token ids), and TTFT / ITL would otherwise be the visible text's.
 
-Per request: TTFT (send to the first chunk with content), ITL (between consecutive content
-chunks), TPOT ((e2e - ttft) / (output tokens - 1)), e2e latency, output tokens (``usage`` when the
-server sends it, else content chunks), prompt and cached tokens (``usage``). A failed request (an
+Per request: TTFT (send to the first chunk with a token: content or its logprobs), ITL (between
+consecutive such chunks), TPOT ((e2e - ttft) / (output tokens - 1)), e2e latency, output tokens
+(``usage`` when the server sends it, else content chunks), prompt and cached tokens (``usage``). A failed request (an
 HTTP status, a broken stream, a timeout) is counted with its message; it never stops the run.
 
 Exit code: 0 every request succeeded, 1 some failed (the report says which error), 2 usage errors

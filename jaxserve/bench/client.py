@@ -13,12 +13,21 @@ from jaxserve.bench.workload import BenchError, Item, random_text
 CALIBRATION_WORDS = (40, 120)  # two text lengths: the prompt-token difference over the word difference
 
 
-def request_body(api: str, model: str, prompt, max_tokens: int, ignore_eos: bool, stream: bool = True) -> dict:
-    """A greedy (streamed) request: ``prompt`` is a message list for chat, ids or text otherwise."""
+def request_body(api: str, model: str, prompt, max_tokens: int, ignore_eos: bool, stream: bool = True,
+                 token_logprobs: bool = True) -> dict:
+    """A greedy (streamed) request: ``prompt`` is a message list for chat, ids or text otherwise.
+
+    ``token_logprobs`` (streamed requests only) asks for the sampled tokens' logprobs (``logprobs:
+    0`` on completions, ``logprobs: true`` on chat; no alternatives), so every generated token
+    arrives in a chunk of its own that ``apply_event`` can time: without them an OpenAI-style
+    server sends nothing for a token whose text is held back (part of a multi-byte character,
+    which random token ids produce often), and TTFT / ITL would be those of the visible text."""
     body = {"model": model, "messages" if api == "chat" else "prompt": prompt, "max_tokens": max_tokens,
             "temperature": 0, "stream": stream}
     if stream:
         body["stream_options"] = {"include_usage": True}
+        if token_logprobs:
+            body["logprobs"] = True if api == "chat" else 0
     if ignore_eos:
         body["ignore_eos"] = True
     return body

@@ -19,8 +19,8 @@ class Record:
     ttft: float | None = None
     itl: list[float] = dataclasses.field(default_factory=list)
     e2e: float | None = None
-    last: float = 0.0             # arrival of the latest content chunk
-    chunks: int = 0               # content chunks received
+    last: float = 0.0             # arrival of the latest chunk that carried a token
+    chunks: int = 0               # chunks that carried a token (content or its logprobs)
     text: str = ""                # the answer (a multi-turn conversation carries it on)
     finish_reason: str | None = None
     usage_output: int | None = None

@@ -40,6 +40,7 @@ class Config:
     request_rate: float = math.inf
     concurrency: tuple[int | None, ...] = (None,)  # one run per entry; None: no limit
     ignore_eos: bool = True
+    token_logprobs: bool = True
     model: str | None = None
     api_key: str | None = dataclasses.field(default=None, repr=False)
     timeout: float = 600.0
@@ -72,7 +73,9 @@ async def run_once(client: Client, cfg: Config, model: str, sessions: list[list[
             else:
                 prompt = conv.prompt(item)
                 async with gate:
-                    await client.send(rec, request_body(cfg.api, model, prompt, item.output_len, cfg.ignore_eos), t0)
+                    body = request_body(cfg.api, model, prompt, item.output_len, cfg.ignore_eos,
+                                        token_logprobs=cfg.token_logprobs)
+                    await client.send(rec, body, t0)
                 if rec.prompt_tokens is None and isinstance(item.user, tuple) and item.turn == 0:
                     rec.prompt_tokens = len(item.user)
                 if rec.ok:
@@ -173,7 +176,7 @@ def config_from_args(args) -> Config:
                   input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
                   prefix_len=args.prefix_len, num_groups=args.num_groups, turns=args.turns, token_ids=(lo, hi),
                   seed=args.seed, request_rate=args.request_rate, concurrency=levels,
-                  ignore_eos=not args.no_ignore_eos, model=args.model, api_key=args.api_key, timeout=args.timeout)
+                  ignore_eos=not args.no_ignore_eos, token_logprobs=not args.no_logprobs, model=args.model, api_key=args.api_key, timeout=args.timeout)
 
 
 def main(args) -> int:
