@@ -61,9 +61,13 @@ prompts.
 Contract: ``g [T, Hv]`` (GDN's scalar gate per head), ``dk`` in {64, 128}, ``dv % 64 == 0``,
 ``chunk_size == 64``; SMEM within 227 KiB (``smem_bytes``).
 
-Status: checked in interpret mode only; not yet measured on a GPU. ``benchmarks/gpu_check.py
---suites gdn_fused`` checks it on the device and ``benchmarks/kernels.py --only gdn_fused`` times it
-beside ``gdn_chunked`` and fla; it is not in ``jaxserve.models.backends.AUTO_ON_GPU``. The engine
+Status: correct on an H100 (``benchmarks/gpu_check.py --suites gdn_fused``; the engine hammer in fp32
+with it: hits equal cold exactly; 2026-12-07), and slower than the split path (``gdn_chunked``:
+XLA's intra-chunk work + the recurrence kernel) except on a ragged 64k-token batch: 0.46x at 8k
+tokens of one sequence, 0.88x at 64k, 1.29x at 64k over 16 sequences (benchmarks/RESULTS.md;
+``benchmarks/kernels.py --only gdn_fused``). The sequential chunk walk on ``Hv · dv / 64`` programs
+and the recomputed ``A`` / inverse / ``w`` are the costs above; so it is not in
+``jaxserve.models.backends.AUTO_ON_GPU``. The engine
 runs it for GDN layers where ``--kernels`` names ``prefill_fused`` (``gated_deltanet.prefill_kernel``).
 """
 

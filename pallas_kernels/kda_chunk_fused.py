@@ -58,10 +58,10 @@ Contract: ``g [T, Hv, dk]`` (per-channel log-decay; one below ``MIN_LOG_DECAY`` 
 as -10, which changes what survives of the old state by less than 4.6e-5 of it),
 ``dk`` in {64, 128}, ``dv % 64 == 0``, ``chunk_size == 64``.
 
-Status: checked in interpret mode only; not yet measured on a GPU. ``benchmarks/gpu_check.py
---suites kda_fused`` checks it on the device and ``benchmarks/kernels.py --only kda_fused`` times it
-beside ``gdn_chunked_pallas`` and fla's ``chunk_kda``; it is not in
-``jaxserve.models.backends.AUTO_ON_GPU``. The engine runs it for KDA layers where ``--kernels`` names
+Status: correct on an H100 (``benchmarks/gpu_check.py --suites kda_fused``, 2026-12-07) but 5-6x
+slower than ``gdn_chunked_pallas`` at 8k tokens (10.4-11.9 ms against 1.9-2.1 ms; the kernel
+alone 42x the split path's recurrence kernel: the 16-row sub-block references of the per-channel
+decay dominate; benchmarks/RESULTS.md), so it is not in ``jaxserve.models.backends.AUTO_ON_GPU``. The engine runs it for KDA layers where ``--kernels`` names
 ``prefill_fused`` (``gated_deltanet.prefill_kernel``).
 """
 

@@ -202,7 +202,7 @@ class ChunkLayout(NamedTuple):
     k=q=v=0), which leaves the state untouched. Unused trailing chunks have ``chunk_seq == N``.
     """
 
-    token_slot: jnp.ndarray   # [T] flat grid index of each token; out of range (dropped) for padding
+    token_slot: jnp.ndarray   # [T] flat grid index of each token; unique, out of range (dropped) for padding
     chunk_seq: jnp.ndarray    # [M] sequence owning each chunk, N if unused
     chunk_first: jnp.ndarray  # [M] chunk is its sequence's first: the scan resets the state there
     first_chunk: jnp.ndarray  # [N] index of each sequence's first chunk
@@ -225,7 +225,10 @@ def chunk_layout(cu_seqlens, start_pos, num_tokens: int, chunk_size: int, max_ch
     first_chunk = chunk_end - num_chunks
     seq, local = token_segments(cu_seqlens, num_tokens)
     s = jnp.minimum(seq, num_seqs - 1)
-    token_slot = jnp.where(seq < num_seqs, first_chunk[s] * chunk_size + offset[s] + local, max_chunks * chunk_size)
+    # padding tokens: distinct slots past the grid (dropped by _to_grid, zeros from _from_grid), so the
+    # slots are unique and _to_grid's scatter can say so
+    padding_slot = max_chunks * chunk_size + jnp.arange(num_tokens, dtype=jnp.int32)
+    token_slot = jnp.where(seq < num_seqs, first_chunk[s] * chunk_size + offset[s] + local, padding_slot)
     chunks = jnp.arange(max_chunks, dtype=jnp.int32)
     chunk_seq = jnp.searchsorted(chunk_end, chunks, side="right").astype(jnp.int32)
     chunk_first = (chunk_seq < num_seqs) & (chunks == first_chunk[jnp.minimum(chunk_seq, num_seqs - 1)])
@@ -233,9 +236,13 @@ def chunk_layout(cu_seqlens, start_pos, num_tokens: int, chunk_size: int, max_ch
 
 
 def _to_grid(x, layout: ChunkLayout, max_chunks: int, chunk_size: int):
-    """``[T, H, d]`` tokens -> ``[M, H, C, d]`` chunks, zeros where no token sits."""
+    """``[T, H, d]`` tokens -> ``[M, H, C, d]`` chunks, zeros where no token sits.
+
+    The slots are unique (``chunk_layout``) and the scatter says so: without ``unique_indices``
+    XLA's GPU scatter writes every element with an atomic (a compare-and-swap loop for 16-bit
+    types), where unique slots are plain stores."""
     grid = jnp.zeros((max_chunks * chunk_size, *x.shape[1:]), x.dtype)
-    grid = grid.at[layout.token_slot].set(x, mode="drop")
+    grid = grid.at[layout.token_slot].set(x, mode="drop", unique_indices=True)
     return jnp.moveaxis(grid.reshape(max_chunks, chunk_size, *x.shape[1:]), 1, 2)
 
 

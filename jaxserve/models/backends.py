@@ -24,8 +24,9 @@ results in ``benchmarks/RESULTS.md``), so the default serving path is always one
 checked on the device. Kernel names: ``gdn_decode``, ``gdn_prefill``, ``paged_attention``,
 ``conv1d`` (the GDN short conv, prefill and decode), ``moe`` (the routed experts of MoE layers: a
 grouped GEMM over the experts the tokens use, and a gather path for a few tokens,
-``pallas_kernels/moe.py``), ``prefill_fused`` (above; checked in interpret mode only, so not in
-``AUTO_ON_GPU`` until it passes ``gpu_check --suites gdn_fused,kda_fused``), ``linear`` (a decode
+``pallas_kernels/moe.py``), ``prefill_fused`` (above; passed ``gpu_check --suites gdn_fused,kda_fused`` and the fp32 engine
+hammer on the H100, but slower than ``gdn_prefill`` except on ragged 64k-token batches, so not in
+``AUTO_ON_GPU``: benchmarks/RESULTS.md), ``linear`` (a decode
 step's dense projections that it tiles, up to 64 rows, one device: ``pallas_kernels/linear_small.py``;
 passed ``gpu_check --suites linear`` on the H100, 60 / 60, and takes the real-size qwen3_5_moe's
 batch-1 decode step from 5.10 to 3.78 ms: benchmarks/RESULTS.md).

@@ -131,8 +131,11 @@ def _mixed_rule(cfg: ModelConfig, q, k, v, g, beta, init, r: Ragged):
     cu_m = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(lens_m).astype(jnp.int32)])
     row = jnp.minimum(r.seq, B - 1)
     multi_tok = (r.seq < B) & ~one[row]
-    dst = jnp.where(multi_tok, cu_m[row] + jnp.arange(T, dtype=jnp.int32) - r.cu_seqlens[row], T)  # T: dropped
-    pack = lambda x: jnp.zeros_like(x).at[dst].set(x, mode="drop")  # noqa: E731
+    t = jnp.arange(T, dtype=jnp.int32)
+    dst = jnp.where(multi_tok, cu_m[row] + t - r.cu_seqlens[row], T + t)  # >= T: dropped, each its own
+    # unique destinations, declared: XLA's GPU scatter then stores instead of an atomic per element
+    # (a compare-and-swap loop for bf16)
+    pack = lambda x: jnp.zeros_like(x).at[dst].set(x, mode="drop", unique_indices=True)  # noqa: E731
     snap_row = jnp.clip(r.snap_seq, 0, B - 1)
     snap_one = one[snap_row]
     rows_m = min(cfg.chunked_rows, B)
