@@ -201,17 +201,25 @@ def _kernel(layer_ref, tiles_ref, pt_ref, q_ref, kp_ref, vp_ref, acc_ref, m_ref,
 
 
 def write_kv(k, v, k_pool, v_pool, layer, r):
-    """The reference's scatter of the new keys/values into their pages (padding -> null page)."""
-    page_size = k_pool.shape[2]
+    """The new keys / values into their pages: the one K/V write of the jnp path
+    (``jaxserve.models.layers.paged_attention``) and of this kernel's. Padding tokens write nothing.
+
+    Real tokens name distinct (page, offset) pairs (a row writes only its own pages) and each
+    padding token gets a page of its own past the pool, so the scatter declares
+    ``unique_indices``: XLA's GPU scatter then stores, where with the padding's repeated null-page
+    writes it updated every element of the bf16 pools with a compare-and-swap loop."""
+    page_size, num_pages = k_pool.shape[2], k_pool.shape[1]
     n_rows = r.num_rows
     row = jnp.minimum(r.seq, n_rows - 1)
     real = r.seq < n_rows
     # Only the page each token writes: a token's whole page-table row would be [T, W] (512 MiB at
     # 8192 tokens and a 256k-token table), benchmarks/RESULTS.md "Step memory".
-    dst_page = jnp.where(real, r.page_table[row, r.positions // page_size], 0)
+    past = num_pages + jnp.arange(r.seq.shape[0], dtype=jnp.int32)  # out of range: skipped
+    dst_page = jnp.where(real, r.page_table[row, r.positions // page_size], past)
     dst_off = r.positions % page_size
-    k_pool = k_pool.at[layer, dst_page, dst_off].set(k.astype(k_pool.dtype))
-    v_pool = v_pool.at[layer, dst_page, dst_off].set(v.astype(v_pool.dtype))
+    kw = dict(mode="drop", unique_indices=True)
+    k_pool = k_pool.at[layer, dst_page, dst_off].set(k.astype(k_pool.dtype), **kw)
+    v_pool = v_pool.at[layer, dst_page, dst_off].set(v.astype(v_pool.dtype), **kw)
     return k_pool, v_pool
 
 

@@ -231,8 +231,20 @@ def _decode_in_pool(cfg: ModelConfig, q, k, v, g, beta, pool: jax.Array, layer: 
         # period of the real-size model's 2-snapshot decode step on the H100: ~53 ms of its ~62)
         after, pool = jax.lax.optimization_barrier((pool[layer, r.write_slot[seq]], pool))
         snaps = jnp.where((r.snap_len > 0).reshape(-1, 1, 1, 1), after, before)
-        pool = pool.at[layer, r.snap_dst].set(snaps)
+        pool = _write_slots(pool, layer, r.snap_dst, r.snap_dst > 0, snaps)
     return o, pool
+
+
+def _write_slots(pool: jax.Array, layer: int, slots: jax.Array, keep: jax.Array, states: jax.Array) -> jax.Array:
+    """``pool[layer, slots[i]] = states[i]`` where ``keep[i]``; the others write nothing.
+
+    The kept slots are distinct (the host's contract, invariant 2) and each dropped entry gets a
+    slot of its own past the pool, so the scatter declares ``unique_indices``: XLA's GPU scatter
+    then stores, where with possibly repeated slots it updates every element atomically (a
+    compare-and-swap loop for the bf16 conv pool)."""
+    past = pool.shape[1] + jnp.arange(slots.shape[0], dtype=jnp.int32)  # out of range: skipped
+    return pool.at[layer, jnp.where(keep, slots, past)].set(states.astype(pool.dtype), mode="drop",
+                                                              unique_indices=True)
 
 
 def _store(pool: jax.Array, layer: int, r: Ragged, final: jax.Array, snaps: jax.Array) -> jax.Array:
@@ -244,10 +256,8 @@ def _store(pool: jax.Array, layer: int, r: Ragged, final: jax.Array, snaps: jax.
     those are most of a mixed step's B rows and T // 64 + B entries, each write a whole state (2 MiB
     a GDN layer at 32 heads of 128 x 128). Slot 0 stays a real slot where a caller gives it to a
     non-empty row (``decoder.forward``'s rows are slots 0 .. B-1)."""
-    dropped = pool.shape[1]  # an out-of-range slot: the scatter skips it
-    rows = jnp.where(jnp.diff(r.cu_seqlens) > 0, r.write_slot, dropped)
-    pool = pool.at[layer, rows].set(final.astype(pool.dtype), mode="drop")
-    return pool.at[layer, jnp.where(r.snap_dst > 0, r.snap_dst, dropped)].set(snaps.astype(pool.dtype), mode="drop")
+    pool = _write_slots(pool, layer, r.write_slot, jnp.diff(r.cu_seqlens) > 0, final)
+    return _write_slots(pool, layer, r.snap_dst, r.snap_dst > 0, snaps)
 
 
 def project(p: dict, cfg: ModelConfig, x: jax.Array):

@@ -255,17 +255,13 @@ def paged_attention(q, k, v, k_pool, v_pool, layer: int, r: Ragged, window: int 
     """
     T, nh, hd = q.shape
     nkv, vd = k.shape[1], v.shape[-1]  # vd != hd under MLA
-    page_size = k_pool.shape[2]
     n_rows = r.num_rows
     row = jnp.minimum(r.seq, n_rows - 1)
     real = r.seq < n_rows
     # Page ids are gathered per token only where needed (the written page; one key block's pages
     # in the loop), never each token's whole row, [T, W]: 512 MiB at T = 8192 and a 256k-token
     # page table (benchmarks/RESULTS.md "Step memory").
-    dst_page = jnp.where(real, r.page_table[row, r.positions // page_size], 0)  # padding -> null page
-    dst_off = r.positions % page_size
-    k_pool = k_pool.at[layer, dst_page, dst_off].set(k.astype(k_pool.dtype))
-    v_pool = v_pool.at[layer, dst_page, dst_off].set(v.astype(v_pool.dtype))
+    k_pool, v_pool = paged_attention_kernel.write_kv(k, v, k_pool, v_pool, layer, r)
 
     groups = nh // nkv
     n_blocks = jnp.max(r.positions) // KEY_BLOCK + 1
