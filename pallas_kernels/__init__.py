@@ -37,6 +37,16 @@ def token_segments(cu_seqlens: jnp.ndarray, num_tokens: int) -> tuple[jnp.ndarra
     return seq, local.astype(jnp.int32)
 
 
+def first_of_each(ids: jnp.ndarray, keep: jnp.ndarray) -> jnp.ndarray:
+    """``keep``, less every entry whose id an earlier kept entry already has: the kept ids are then
+    distinct, so a scatter to them may declare ``unique_indices``. One ``[n, n]`` compare (n: rows
+    or snapshot entries of a step, not tokens). Repeats come from a decode batch's padding rows, which
+    all name the null slot and page; real rows name distinct ones (ARCHITECTURE.md invariant 2)."""
+    i = jnp.arange(ids.shape[0])
+    earlier = (ids[None, :] == ids[:, None]) & keep[None, :] & (i[None, :] < i[:, None])
+    return keep & ~jnp.any(earlier, axis=1)
+
+
 def concrete_or_none(x) -> np.ndarray | None:
     """``x`` as a NumPy array when its value is known now (not a tracer inside ``jit``), else None.
 

@@ -202,22 +202,25 @@ def _kernel(layer_ref, tiles_ref, pt_ref, q_ref, kp_ref, vp_ref, acc_ref, m_ref,
 
 def write_kv(k, v, k_pool, v_pool, layer, r):
     """The new keys / values into their pages: the one K/V write of the jnp path
-    (``jaxserve.models.layers.paged_attention``) and of this kernel's. Padding tokens write nothing.
+    (``jaxserve.models.layers.paged_attention``) and of this kernel's.
 
-    Real tokens name distinct (page, offset) pairs (a row writes only its own pages) and each
-    padding token gets a page of its own past the pool, so the scatter declares
-    ``unique_indices``: XLA's GPU scatter then stores, where with the padding's repeated null-page
-    writes it updated every element of the bf16 pools with a compare-and-swap loop."""
-    page_size, num_pages = k_pool.shape[2], k_pool.shape[1]
+    Where the batch has more tokens than rows (prefill / mixed steps: their padding rows are empty),
+    every token past the real ones gets a page of its own past the pool and writes nothing, and the
+    real tokens name distinct (page, offset) pairs (a row writes only its own pages, invariant 2),
+    so the scatter declares ``unique_indices``: XLA's GPU scatter then stores instead of updating
+    every element atomically (a compare-and-swap loop for bf16 pools). A batch of one token per row
+    (decode) keeps the plain scatter: its padding rows each carry one token, all into the null page."""
+    T, page_size, num_pages = k.shape[0], k_pool.shape[2], k_pool.shape[1]
     n_rows = r.num_rows
     row = jnp.minimum(r.seq, n_rows - 1)
     real = r.seq < n_rows
+    unique = T != n_rows  # static: a prefill / mixed step
     # Only the page each token writes: a token's whole page-table row would be [T, W] (512 MiB at
     # 8192 tokens and a 256k-token table), benchmarks/RESULTS.md "Step memory".
-    past = num_pages + jnp.arange(r.seq.shape[0], dtype=jnp.int32)  # out of range: skipped
-    dst_page = jnp.where(real, r.page_table[row, r.positions // page_size], past)
+    padding_page = num_pages + jnp.arange(T, dtype=jnp.int32) if unique else 0  # past the pool: skipped
+    dst_page = jnp.where(real, r.page_table[row, r.positions // page_size], padding_page)
     dst_off = r.positions % page_size
-    kw = dict(mode="drop", unique_indices=True)
+    kw = dict(mode="drop", unique_indices=True) if unique else {}
     k_pool = k_pool.at[layer, dst_page, dst_off].set(k.astype(k_pool.dtype), **kw)
     v_pool = v_pool.at[layer, dst_page, dst_off].set(v.astype(v_pool.dtype), **kw)
     return k_pool, v_pool

@@ -1,8 +1,9 @@
 """Host-side allocators for the two device pools: KV pages and linear-state slots.
 
 Both hand out integer ids into pools that live on the device; neither ever sees array contents.
-Id 0 of each pool is reserved: page 0 is the null page that padding writes go to, slot 0 the null
-slot. It is never handed out, so a real page or slot can never be clobbered by padding.
+Id 0 of each pool is reserved: page 0 is the null page (page-table entries past a row's pages name
+it; a decode batch's padding rows write it), slot 0 the null slot (the padding rows' slot).
+It is never handed out, so a real page or slot can never be clobbered by padding.
 
 Invariants (``check_invariants``):
   * an id is free  <=>  it is on the free list  <=>  (pages) its refcount is 0;

@@ -21,7 +21,8 @@ invariant 3: the next step's input is this step's output, so device work is orde
   row ``snap_seq[s]`` into ``snap_dst[s]`` — every GDN layer, conv and recurrent state (invariant
   1); this is also the clone of copy-on-donate (invariant 2): written once, here, never by a row.
 - Padding (tokens past the real ones, rows past the real ones, snapshot entries past the real
-  ones) writes only to the null page / null slot 0. Slots and pages named by no row are untouched.
+  ones) writes nothing but, at most, the null page / null slot 0 (a decode batch's padding rows).
+  Slots and pages named by no row are untouched.
 
 Buckets (``Buckets``): a mixed / prefill step pads T (tokens) to ``Buckets.tokens`` and has
 B = min(T, max_seqs) rows; a pure-decode step (every row exactly one token) takes a separate path
@@ -99,10 +100,10 @@ class Buckets:
 
     - mixed: one size, T // 64 + B, the most any step of T tokens in B rows can ask for (a row of
       n tokens crosses at most n // 64 + 1 ×64 boundaries). So |tokens| mixed programs instead of
-      |tokens|·|S ladder|. Cost: every entry past the real ones copies one state slot of every
-      GDN layer into the null slot (~36 MB at hidden 2048 with 18 GDN layers, read and written
-      more than once), so a T-token step carries up to B padding copies: the same order as the
-      state traffic of its B rows (padding rows included), which it already pays.
+      |tokens|·|S ladder|. Cost: every entry past the real ones still gathers one state of every
+      GDN layer (~36 MB at hidden 2048 with 18 GDN layers), written nowhere, so a T-token step
+      carries up to B padding reads: the same order as the state traffic of its B rows (padding
+      rows included), which it already pays.
     - decode: max(1, B // 16) entries, or B when more rows cross a boundary in the same step. A
       decoding row crosses one every 64 tokens, so with rows out of phase B // 16 covers all but a
       few per mille of steps (Poisson, mean B / 64) while costing at most 1/16 of a row's state
@@ -208,7 +209,7 @@ class RowSpec:
 
 
 def padding_batch(T: int, B: int, S: int, width: int, decode: bool) -> Batch:
-    """A batch of nothing but padding: every write goes to the null page / null slot. ``make_batch``
+    """A batch of nothing but padding: it writes nothing but the null page / null slot. ``make_batch``
     fills one in; ``warmup`` runs them to compile every program without touching live state."""
     return Batch(
         tokens=np.zeros(T, np.int32), feed=np.full(T, -1, np.int32), positions=np.zeros(T, np.int32),
@@ -421,7 +422,7 @@ def warmup(params, cfg: ModelConfig, pools: Pools, buckets: Buckets, programs=No
            placement: Placement | None = None) -> Pools:
     """Run each of ``programs`` (default: all of ``buckets.programs()``) once on all-padding batches,
     compiling those not compiled yet (``startup.compile_programs`` compiles them ahead of time, so
-    then this only runs them): they write only the null page and null slot, so live pools are safe
+    then this only runs them): they write nothing but the null page / null slot, so live pools are safe
     to pass. The padding batches are greedy; the logits of the first program of each row count also
     go through the ``FULL`` sampler, so both sampler programs of every B run too. Returns the pools."""
     seen = set()

@@ -37,7 +37,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.models import backends
 from jaxserve.models.layers import Ragged, gated_rms_norm, linear
 from jaxserve.parallel.layout import split_shards
-from pallas_kernels import conv1d, gdn_chunk_fused, gdn_chunked, gdn_decode, gdn_reference, kda_chunk_fused
+from pallas_kernels import conv1d, first_of_each, gdn_chunk_fused, gdn_chunked, gdn_decode, gdn_reference, kda_chunk_fused
 from pallas_kernels.conv1d_reference import causal_conv1d_prefill, causal_conv1d_update
 from pallas_kernels.gdn_reference import gdn_recurrent
 from pallas_kernels.kda_reference import kda_chunked, kda_recurrent
@@ -236,15 +236,17 @@ def _decode_in_pool(cfg: ModelConfig, q, k, v, g, beta, pool: jax.Array, layer: 
 
 
 def _write_slots(pool: jax.Array, layer: int, slots: jax.Array, keep: jax.Array, states: jax.Array) -> jax.Array:
-    """``pool[layer, slots[i]] = states[i]`` where ``keep[i]``; the others write nothing.
+    """``pool[layer, slots[i]] = states[i]`` where ``keep[i]``, the first entry only where kept
+    entries repeat a slot (a decode batch's padding rows all name the null slot); the others write
+    nothing.
 
-    The kept slots are distinct (the host's contract, invariant 2) and each dropped entry gets a
-    slot of its own past the pool, so the scatter declares ``unique_indices``: XLA's GPU scatter
-    then stores, where with possibly repeated slots it updates every element atomically (a
-    compare-and-swap loop for the bf16 conv pool)."""
+    The written slots are then distinct and each dropped entry gets a slot of its own past the
+    pool, so the scatter declares ``unique_indices``: XLA's GPU scatter then stores, where with
+    possibly repeated slots it updates every element atomically (a compare-and-swap loop for the
+    bf16 conv pool)."""
     past = pool.shape[1] + jnp.arange(slots.shape[0], dtype=jnp.int32)  # out of range: skipped
-    return pool.at[layer, jnp.where(keep, slots, past)].set(states.astype(pool.dtype), mode="drop",
-                                                              unique_indices=True)
+    dst = jnp.where(first_of_each(slots, keep), slots, past)
+    return pool.at[layer, dst].set(states.astype(pool.dtype), mode="drop", unique_indices=True)
 
 
 def _store(pool: jax.Array, layer: int, r: Ragged, final: jax.Array, snaps: jax.Array) -> jax.Array:

@@ -41,8 +41,8 @@ class Ragged(NamedTuple):
     cu_seqlens[b+1])`` at positions ``context_len[b]..``, consecutive.
 
     Attention layers: row ``b``'s position ``p`` lives in page ``page_table[b, p // page_size]`` at
-    offset ``p % page_size``. Entries past the row's pages are 0, the null page; padding tokens
-    write there too, and it is never read unmasked.
+    offset ``p % page_size``. Entries past the row's pages are 0, the null page, never read
+    unmasked: a decode batch's padding rows write there, a prefill's padding tokens nowhere.
 
     Gated DeltaNet layers: row ``b`` starts from slot ``read_slot[b]`` (its own slot, or the tree
     snapshot it restores from; ignored, zero state, when ``context_len[b] == 0``) and leaves its
@@ -239,7 +239,7 @@ def paged_attention(q, k, v, k_pool, v_pool, layer: int, r: Ragged, window: int 
 
     Write first, read second: a token sees the cached context and the new tokens of its own row
     through the same page table, so a prompt prefilled in chunks (at any offsets) sees exactly
-    what one prefill would. Padding tokens write to the null page (``Ragged``); pages that no new
+    what one prefill would. Padding tokens write nothing or the null page (``write_kv``); pages that no new
     token maps to are untouched (the scatter names only the written (page, offset) pairs).
 
     Keys are visited ``KEY_BLOCK`` positions at a time, only up to the batch's furthest position,

@@ -1,7 +1,7 @@
 """Greedy output does not depend on who else is being served (issue 26 item 9; ARCHITECTURE.md invariant
 6, "hit equals cold whatever else is in the batch", can only be checked if this holds).
 
-Rows of one step could meet in: bucket padding (tokens and rows writing the null page / null slot),
+Rows of one step could meet in: bucket padding (tokens and rows; only the null page / slot take their writes),
 reductions over the flat token axis (the routed experts' sort by expert and segment sums, the
 attention key-block loop bounded by the batch's furthest position, the delta rule's chunk grid),
 another row's pages or slot. Two checks, from sharp to end-to-end:
