@@ -23,11 +23,17 @@
 #   e2e      jaxserve serve + jaxserve bench rows (benchmarks/e2e.py), serve flags in $SERVE_ARGS
 # Needs the HTTP wheels for e2e: ../shared/tools/device-wheels.sh httpx httpcore h11 certifi idna; carry .whl.
 #   PARTS=moe,decode bash scripts/device/serving_call.sh
+# Everything the parts write lands in a work folder, packed at exit into one file, $OUT/call.tgz:
+# the device tool returns only a few files of $OUT, and a run's logs and records are many.
 set -u
 export PYTHONUNBUFFERED=1
 start=$(date +%s)
 left() { echo $(( ${CALL_LIMIT:-590} - ($(date +%s) - start) )); }  # seconds left of the device call
-mkdir -p "$OUT"
+RETURN_DIR=$OUT
+OUT=$(mktemp -d /tmp/serving-call.XXXXXX)
+export OUT
+mkdir -p "$RETURN_DIR"
+trap 'tar czf "$RETURN_DIR/call.tgz" -C "$OUT" . && echo "packed $(ls "$OUT" | wc -l) files into call.tgz"' EXIT
 parts=",${PARTS:-moe,decode,e2e},"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 if [ -d .whl ]; then
