@@ -23,8 +23,9 @@
 #   e2e      jaxserve serve + jaxserve bench rows (benchmarks/e2e.py), serve flags in $SERVE_ARGS
 # Needs the HTTP wheels for e2e: ../shared/tools/device-wheels.sh httpx httpcore h11 certifi idna; carry .whl.
 #   PARTS=moe,decode bash scripts/device/serving_call.sh
-# Everything the parts write lands in a work folder, packed at exit into one file, $OUT/call.tgz:
-# the device tool returns only a few files of $OUT, and a run's logs and records are many.
+# Everything the parts write lands in a work folder, packed at exit into one file, $OUT/${CALL_NAME:-call}.tgz:
+# the device tool returns only a few files of $OUT, and a run's logs and records are many (CALL_NAME: several
+# runs of this script in one device call, e.g. under other XLA_FLAGS, each their own file).
 set -u
 export PYTHONUNBUFFERED=1
 start=$(date +%s)
@@ -33,7 +34,8 @@ RETURN_DIR=$OUT
 OUT=$(mktemp -d /tmp/serving-call.XXXXXX)
 export OUT
 mkdir -p "$RETURN_DIR"
-trap 'tar czf "$RETURN_DIR/call.tgz" -C "$OUT" . && echo "packed $(ls "$OUT" | wc -l) files into call.tgz"' EXIT
+pack=${CALL_NAME:-call}.tgz
+trap 'tar czf "$RETURN_DIR/$pack" -C "$OUT" . && echo "packed $(ls "$OUT" | wc -l) files into $pack"' EXIT
 parts=",${PARTS:-moe,decode,e2e},"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 if [ -d .whl ]; then
