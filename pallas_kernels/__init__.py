@@ -19,6 +19,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import stable_names
+
+stable_names.install()  # every kernel below lowers to the same bytes each time: see stable_names.py
+
 
 def token_segments(cu_seqlens: jnp.ndarray, num_tokens: int) -> tuple[jnp.ndarray, jnp.ndarray]:
     """Per-token sequence id and index inside its sequence, from ``cu_seqlens``.
