@@ -17,6 +17,7 @@ enough tokens for many decode steps. Rounds of more than four full prefill steps
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import random
@@ -100,8 +101,11 @@ def calibration_rounds(engine: Engine, seq_buckets, seed: int, output_len: int) 
     return rounds
 
 
-def calibrate(engine: Engine, *, seed: int = 0, output_len: int = 64, device: str = "") -> CostModel:
-    """Run the calibration rounds on ``engine`` and fit the cost model to its steps."""
+def calibrate(engine: Engine, *, seed: int = 0, output_len: int = 64, device: str = "",
+              samples: list | None = None) -> CostModel:
+    """Run the calibration rounds on ``engine`` and fit the cost model to its steps. ``samples``, if
+    given, receives every measured step as (features, seconds): to refit other models offline
+    (``write_samples`` / ``benchmarks/sim_refit.py``)."""
     desc = engine_description(engine)
     inner = engine.executor
     timed = TimedExecutor(inner, desc["token_buckets"], desc["seq_buckets"])
@@ -112,8 +116,19 @@ def calibrate(engine: Engine, *, seed: int = 0, output_len: int = 64, device: st
     finally:
         engine.executor = inner
     engine.scheduler.cache.flush()
+    if samples is not None:
+        samples.extend(timed.samples)
     feats, secs = zip(*timed.samples)
     return fit(feats, secs, engine=desc, device=device)
+
+
+def write_samples(path: str | Path, samples: list, engine: dict[str, Any], device: str) -> None:
+    """The measured steps of a calibration, one ``[features..., seconds]`` row each (``FEATURES``
+    order), with the engine they were measured on."""
+    from jaxserve.sim.cost import FEATURES, VERSION
+
+    Path(path).write_text(json.dumps({"version": VERSION, "device": device, "features": list(FEATURES), "engine": engine,
+                                      "steps": [[*f, s] for f, s in samples]}) + "\n")
 
 
 def compare(real: list, sim: list) -> dict[str, Any]:
@@ -140,9 +155,12 @@ def compare(real: list, sim: list) -> dict[str, Any]:
     return out
 
 
-def validate(engine: Engine, records, cost: CostModel, policy: str = "fcfs") -> dict[str, Any]:
+def validate(engine: Engine, records, cost: CostModel, policy: str = "fcfs",
+             details: dict | None = None) -> dict[str, Any]:
     """The trace through the real engine (wall clock, arrivals on time) and through the simulator
-    configured as that engine; both start from an empty prefix cache."""
+    configured as that engine; both start from an empty prefix cache. ``details``, if given,
+    receives both runs' request records (``"real"``, ``"sim"``: ``RequestRecord`` fields), so another
+    cost model can be compared with the same real run offline (``benchmarks/sim_refit.py``)."""
     engine.scheduler.cache.flush()
     t0 = time.perf_counter()
     now = lambda: time.perf_counter() - t0  # noqa: E731
@@ -151,6 +169,9 @@ def validate(engine: Engine, records, cost: CostModel, policy: str = "fcfs") -> 
     config = SimConfig.from_engine(engine_description(engine))
     result = simulate(records, policy, cost, config)
     cmp = compare(real, result.requests)
+    if details is not None:
+        details["real"] = [dataclasses.asdict(r) for r in real]
+        details["sim"] = [dataclasses.asdict(r) for r in result.requests]
     cmp["duration"] = {"real_s": real_duration, "sim_s": result.duration_s,
                        "rel_err": (result.duration_s - real_duration) / real_duration}
     return cmp
@@ -165,6 +186,8 @@ def _parser(sub: str) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-len", type=int, default=64, help="calibration: tokens per request (decode steps)")
     p.add_argument("--out", required=True, metavar="PATH.json")
+    p.add_argument("--samples", default=None, metavar="PATH.json",
+                   help="also write the calibration's measured steps (features and seconds), to refit offline")
     if sub == "validate":
         p.add_argument("--trace", required=True, help="trace file or shipped trace name")
         p.add_argument("--cost", default=None, help="cost model (default: calibrate this engine first, in this run)")
@@ -186,7 +209,10 @@ def main(sub: str, argv: list[str]) -> int:
     device = f"{jax.devices()[0].device_kind} ({platform.node()}), model {Path(eargs.model).name}, {eargs.dtype}"
     if sub == "calibrate" or args.cost is None:
         t0 = time.perf_counter()
-        cost = calibrate(engine, seed=args.seed, output_len=args.output_len, device=device)
+        samples: list = []
+        cost = calibrate(engine, seed=args.seed, output_len=args.output_len, device=device, samples=samples)
+        if args.samples:
+            write_samples(args.samples, samples, engine_description(engine), device)
         print(f"jaxserve: calibrated on {cost.fit_stats['steps']} steps in {time.perf_counter() - t0:.0f} s: "
               f"median step error {cost.fit_stats['median_rel_err']:.1%}, p90 {cost.fit_stats['p90_rel_err']:.1%}",
               file=sys.stderr)
@@ -196,8 +222,10 @@ def main(sub: str, argv: list[str]) -> int:
         cost.save(args.out)
         print(f"jaxserve: wrote {args.out}", file=sys.stderr)
         return 0
+    details: dict = {}
     result = {"trace": args.trace, "policy": eargs.policy, "device": device, "cost_model": cost.to_json(),
-              "comparison": validate(engine, records, cost, eargs.policy)}
+              "comparison": validate(engine, records, cost, eargs.policy, details)}
+    result["requests"] = details
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result["comparison"], indent=1))
     return 0

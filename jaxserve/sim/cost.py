@@ -6,6 +6,10 @@ Features of a planned step (``step_features``), all host-visible:
   tokens       tokens fed, padded the way the runner pads them (its ``Buckets``: a mixed step to
                its token bucket, a decode step to its batch bucket), so compiled shapes cost what
                they cost
+  new_tokens   the tokens a mixed step really feeds (0 in a decode step): the work that follows
+               the prompt, not the compiled shape (a GPU's routed experts and attention skip the
+               padding; without it a fit charged prefill work to the snapshot count, which grows
+               with the tokens too, and the GPU validation missed TTFT by 20 %)
   rows         sequences in the step (per-row work: sampling, state reads and writes)
   mixed        1 for a step with a prefill chunk: mixed and decode steps run different programs
                (chunked linear attention, snapshot entries)
@@ -31,8 +35,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-FEATURES = ("const", "tokens", "rows", "mixed", "chunked", "attention", "context", "snapshots")
-VERSION = 2
+FEATURES = ("const", "tokens", "new_tokens", "rows", "mixed", "chunked", "attention", "context", "snapshots")
+VERSION = 3
 COSTS_DIR = Path(__file__).resolve().parent / "costs"
 
 
@@ -62,8 +66,8 @@ def step_features(rows, token_buckets: Sequence[int] = (), seq_buckets: Sequence
         context += end
         snaps += len(row.snapshots) + (1 if row.restore_src else 0)
     padded = _bucket(len(rows), seq_buckets) if decode else _bucket(n_tok, token_buckets)
-    return (1.0, float(padded), float(len(rows)), float(not decode), float(chunked), attention / 1e6, context / 1e3,
-            float(snaps))
+    return (1.0, float(padded), 0.0 if decode else float(n_tok), float(len(rows)), float(not decode), float(chunked),
+            attention / 1e6, context / 1e3, float(snaps))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -104,7 +104,7 @@ if [[ $parts == *,sim,* ]]; then
   python3 -m jaxserve.cli sim gen shared-prompts --n ${SIM_N:-150} --rate ${SIM_RATE:-5} --seed 1 --out "$OUT/sim-trace.jsonl"
   # shellcheck disable=SC2086
   timeout $(( $(left) / 2 )) python3 -m jaxserve.cli sim calibrate --model runs/e2e-ck --compile-cache /tmp/jax-cache \
-    --out "$OUT/sim-cost.json" ${SIM_ARGS:-} > "$OUT/sim-calibrate.log" 2>&1
+    --out "$OUT/sim-cost.json" --samples "$OUT/sim-samples.json" ${SIM_ARGS:-} > "$OUT/sim-calibrate.log" 2>&1
   echo "sim calibrate rc=$?"; tail -4 "$OUT/sim-calibrate.log" | cut -c1-400
   # shellcheck disable=SC2086
   timeout $(left) python3 -m jaxserve.cli sim validate --model runs/e2e-ck --compile-cache /tmp/jax-cache \

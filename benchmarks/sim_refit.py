@@ -1,0 +1,67 @@
+"""Refit the simulator's cost model offline from a calibration's measured steps and compare it with
+a validation's real run, without the device: the GPU run writes its steps (``jaxserve sim calibrate
+--samples``) and its requests (``jaxserve sim validate``'s ``requests.real``), and this script fits
+the model on a subset of the features, simulates the same trace and compares request by request.
+
+    python benchmarks/sim_refit.py --samples sim-samples.json --validation sim-validation.json \
+        --trace sim-trace.jsonl [--features const,tokens,new_tokens,...] [--out cost.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def refit(samples: dict, features: list[str]):
+    """The cost model fitted on ``features`` only (the others' coefficients 0)."""
+    from jaxserve.sim.cost import FEATURES, CostModel, fit
+
+    if samples["features"] != list(FEATURES):
+        raise SystemExit(f"samples of features {samples['features']}, this simulator's are {list(FEATURES)}")
+    unknown = set(features) - set(FEATURES)
+    if unknown:
+        raise SystemExit(f"unknown features {sorted(unknown)}; choose from {list(FEATURES)}")
+    steps = np.asarray(samples["steps"], float)
+    X, y = steps[:, :-1], steps[:, -1]
+    keep = np.asarray([f in features for f in FEATURES])
+    m = fit(np.where(keep, X, 0.0), y, engine=samples["engine"], device=samples["device"])
+    return CostModel(tuple(c if k else 0.0 for c, k in zip(m.coef, keep)), m.engine, m.device, m.fit_stats)
+
+
+def main() -> None:
+    from jaxserve.sim.calibrate import compare
+    from jaxserve.sim.cost import FEATURES
+    from jaxserve.sim.replay import RequestRecord
+    from jaxserve.sim.simulator import SimConfig, simulate
+    from jaxserve.sim.trace import load_trace
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--samples", type=Path, required=True)
+    ap.add_argument("--validation", type=Path, required=True)
+    ap.add_argument("--trace", required=True)
+    ap.add_argument("--features", default=",".join(FEATURES))
+    ap.add_argument("--out", type=Path, default=None, help="write the refitted cost model here")
+    args = ap.parse_args()
+    samples, val = json.loads(args.samples.read_text()), json.loads(args.validation.read_text())
+    cost = refit(samples, args.features.split(","))
+    real = [RequestRecord(**r) for r in val["requests"]["real"]]
+    result = simulate(load_trace(args.trace), val["policy"], cost, SimConfig.from_engine(samples["engine"]))
+    cmp = compare(real, result.requests)
+    real_duration = max(r.finish for r in real if r.finish is not None) - min(r.arrival for r in real)
+    cmp["duration"] = {"real_s": real_duration, "sim_s": result.duration_s,
+                       "rel_err": (result.duration_s - real_duration) / real_duration}
+    print(json.dumps({"coef_s": dict(zip(FEATURES, cost.coef)), "fit": cost.fit_stats, "comparison": cmp}, indent=1))
+    if args.out:
+        cost.save(args.out)
+
+
+if __name__ == "__main__":
+    main()
