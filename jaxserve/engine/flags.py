@@ -28,6 +28,9 @@ def engine_args(args: argparse.Namespace, progress: bool):
     if args.tensor_parallel_size < 1 or (args.expert_parallel and args.tensor_parallel_size < 2):
         raise UsageError(f"--tensor-parallel-size must be >= 1 (and >= 2 with --expert-parallel), "
                          f"got {args.tensor_parallel_size}")
+    if args.snapshot_interval < 64 or args.snapshot_interval % 64:
+        raise UsageError(f"--snapshot-interval must be a multiple of 64 (the linear-attention kernels' chunk), "
+                         f"got {args.snapshot_interval}")
     if args.image_max_pixels is not None and args.image_max_pixels < 1:
         raise UsageError(f"--image-max-pixels must be >= 1, got {args.image_max_pixels}")
     from jaxserve.engine.policy import make_policy
@@ -37,6 +40,7 @@ def engine_args(args: argparse.Namespace, progress: bool):
         model=args.model or str(DEFAULT_MODEL_DIR), dtype=args.dtype, page_size=args.page_size,
         max_prefill_length=args.max_prefill_length, max_running_requests=args.max_running_requests,
         num_pages=args.num_pages, num_slots=args.num_slots, policy=args.policy, kernels=args.kernels,
+        snapshot_interval=args.snapshot_interval,
         scan_layers=args.scan_layers,
         overlap_schedule=not args.disable_overlap_schedule, mem_fraction=args.mem_fraction,
         compile_all=args.command == "serve", compile_workers=args.compile_workers,
@@ -66,6 +70,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="KV pages (default: from the memory budget)")
     p.add_argument("--num-slots", type=int, default=d["num_slots"], metavar="N",
                    help="linear-state slots (default: from the memory budget)")
+    p.add_argument("--snapshot-interval", type=int, default=d["snapshot_interval"], metavar="N",
+                   help="tokens between the linear-attention state snapshots a request leaves in the prefix cache, "
+                        "a multiple of 64: larger writes N/64 times fewer (each a state of every linear layer) "
+                        "and holds fewer slots, but a hit recomputes up to N-1 more tokens (default: %(default)s)")
     p.add_argument("--policy", default=d["policy"],
                    help="scheduling policy: fcfs, lpm, dfs-weight, priority, spjf, fair, or a plug-in "
                         "package.module:ClassName (jaxserve/engine/policy.py) (default: %(default)s)")

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.cache.allocator import PageAllocator, SlotAllocator
-from jaxserve.config import LINEAR_ATTENTION, ModelConfig
+from jaxserve.config import LINEAR_ATTENTION, SNAPSHOT_INTERVAL, ModelConfig
 from jaxserve.cache.radix import HybridRadixCache
 from jaxserve.engine.engine import Engine, RequestOutput
 from jaxserve.engine.policy import make_policy
@@ -66,6 +66,12 @@ class EngineArgs:
     num_slots: int | None = None
     snapshot_fraction: float = 0.25
     max_snapshots_per_path: int | None = None  # bound the tree's snapshots on any root..leaf path
+    # Tokens between the linear-state snapshots a request leaves in the prefix cache (a multiple of
+    # the kernels' 64-token chunk). A hit resumes from the last snapshot at or before the shared
+    # prefix's end, so a larger interval recomputes up to interval - 1 more tokens a hit; each
+    # snapshot is a state of every linear-attention layer (37.7 MB for the real-size qwen3_5_moe),
+    # so a larger interval writes interval / 64 times fewer of them and holds that many fewer slots.
+    snapshot_interval: int = SNAPSHOT_INTERVAL
     policy: str = "fcfs"
     kernels: str = "auto"  # ModelConfig.kernels (jaxserve/models/backends.py)
     # Scan over the repeating layers (stacked params, decoder module doc): each step program holds
@@ -252,7 +258,8 @@ def build_engine(args: EngineArgs) -> Engine:
         use_attention_kernel(cfg, dtype, args.page_size)
     max_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     buckets = Buckets.for_limits(max_prefill_tokens=args.max_prefill_length, max_seqs=args.max_running_requests,
-                                 max_model_len=max_len, page_size=args.page_size)
+                                 max_model_len=max_len, page_size=args.page_size,
+                                 snapshot_interval=args.snapshot_interval)
     # the scheduler's promise to the GDN / KDA layers: few rows of more than one token per step
     cfg = dataclasses.replace(cfg, chunked_rows=buckets.chunked_rows)
     placement = None if tp is None else Placement(params, tp.pool_shardings(cfg))
@@ -280,13 +287,14 @@ def build_engine(args: EngineArgs) -> Engine:
         params, pools = loaded(), init_pools(plan, cfg, dtype, None if placement is None else placement.pools)
     pages = PageAllocator(plan.num_pages)
     slots = SlotAllocator(plan.num_slots) if cfg.is_hybrid else None
-    cache = HybridRadixCache(pages, slots, args.page_size, hybrid=cfg.is_hybrid,
+    cache = HybridRadixCache(pages, slots, args.page_size, hybrid=cfg.is_hybrid, snapshot_interval=args.snapshot_interval,
                              max_snapshots_per_path=args.max_snapshots_per_path)
     eos = tuple(sorted(set(cfg.eos_token_ids) | set(tokenizer.eos_token_ids)))
     scheduler = Scheduler(pages=pages, slots=slots, cache=cache, page_size=args.page_size,
                           max_prefill_tokens=buckets.tokens[-1], max_running=args.max_running_requests,
                           max_pages_per_seq=min(buckets.pages_per_seq, -(-max_len // args.page_size)),
-                          eos_token_ids=eos, policy=make_policy(args.policy), max_chunked_rows=buckets.chunked_rows)
+                          eos_token_ids=eos, policy=make_policy(args.policy), max_chunked_rows=buckets.chunked_rows,
+                          snapshot_interval=args.snapshot_interval)
     executor = DeviceExecutor(params, cfg, pools, buckets, placement)
     engine = Engine(scheduler, executor, vocab_size=cfg.vocab_size, tokenizer=tokenizer,
                     debug_snapshot_checksums=args.debug_snapshot_checksums, overlap=args.overlap_schedule)

@@ -98,8 +98,9 @@ class Buckets:
     S (snapshot entries) is not a free dimension: ``snapshot_sizes(T, decode)`` lists the few
     sizes a step of that shape may pad to, each of which is one program (``programs()``):
 
-    - mixed: one size, T // 64 + B, the most any step of T tokens in B rows can ask for (a row of
-      n tokens crosses at most n // 64 + 1 ×64 boundaries). So |tokens| mixed programs instead of
+    - mixed: one size, T // I + B, the most any step of T tokens in B rows can ask for (a row of
+      n tokens crosses at most n // I + 1 snapshot boundaries; I = ``snapshot_interval``, 64 by
+      default). So |tokens| mixed programs instead of
       |tokens|·|S ladder|. Cost: every entry past the real ones still gathers one state of every
       GDN layer (~36 MB at hidden 2048 with 18 GDN layers), written nowhere, so a T-token step
       carries up to B padding reads: the same order as the state traffic of its B rows (padding
@@ -123,19 +124,23 @@ class Buckets:
     pages_per_seq: int          # W, page-table width, a multiple of KEY_BLOCK // page_size
     page_size: int
     chunked_rows: int = CHUNKED_ROWS  # rows of more than one token in a mixed step (the scheduler's cap)
+    snapshot_interval: int = KEY_BLOCK  # the scheduler's: snapshots only at multiples of it
 
     @classmethod
     def for_limits(cls, *, max_prefill_tokens: int, max_seqs: int, max_model_len: int, page_size: int,
-                   min_tokens: int = 32) -> "Buckets":
+                   min_tokens: int = 32, snapshot_interval: int = KEY_BLOCK) -> "Buckets":
         """T: powers of two from ``min_tokens`` up to ``max_prefill_tokens`` (16 is left out by
         default: a mixed step of at most 16 tokens is rare, and 32 costs it little); B: powers of
         two up to ``max_seqs``."""
         if KEY_BLOCK % page_size:
             raise ValueError(f"page_size {page_size} must divide {KEY_BLOCK}")
+        if snapshot_interval < KEY_BLOCK or snapshot_interval % KEY_BLOCK:
+            raise ValueError(f"snapshot_interval {snapshot_interval} must be a multiple of {KEY_BLOCK} (the chunk "
+                             f"ends where the linear-attention kernels emit states)")
         per_block = KEY_BLOCK // page_size
         width = -(-max_model_len // page_size)
         return cls(_ladder(min(min_tokens, max_prefill_tokens), max_prefill_tokens, 2), _ladder(1, max_seqs, 2),
-                   -(-width // per_block) * per_block, page_size)
+                   -(-width // per_block) * per_block, page_size, snapshot_interval=snapshot_interval)
 
     def rows_for(self, num_tokens: int) -> int:
         """B of a mixed step with T = ``num_tokens``."""
@@ -146,7 +151,7 @@ class Buckets:
         every snapshot the scheduler can ask of such a step (see the class doc)."""
         if decode:
             return (num_tokens,) if num_tokens <= 2 else (max(1, num_tokens // 16), num_tokens)
-        return (num_tokens // KEY_BLOCK + self.rows_for(num_tokens),)
+        return (num_tokens // self.snapshot_interval + self.rows_for(num_tokens),)
 
     @property
     def snapshots(self) -> tuple[int, ...]:

@@ -70,6 +70,9 @@ def _add_sim_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-snapshots-per-path", type=int, default=None)
+    p.add_argument("--snapshot-interval", type=int, default=None,
+                   help="tokens between a request's linear-state snapshots, a multiple of 64 (default: the cost "
+                        "model's engine)")
     p.add_argument("--no-overlap", action="store_true", help="simulate the synchronous step loop")
     p.add_argument("--check-invariants", type=int, default=0, metavar="N",
                    help="run the engine's leak and cache invariant check every N steps (default 0: never; "
@@ -124,6 +127,7 @@ def _setup(args) -> tuple[CostModel, SimConfig, SLO]:
                                    max_running=args.max_running, max_prefill_tokens=args.max_prefill_tokens,
                                    page_size=args.page_size, max_model_len=args.max_model_len,
                                    max_snapshots_per_path=args.max_snapshots_per_path,
+                                   snapshot_interval=args.snapshot_interval,
                                    overlap=False if args.no_overlap else None)
     return cost, config, SLO(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
 

@@ -44,7 +44,7 @@ def summarize(result: SimResult, slo: SLO = SLO()) -> dict[str, Any]:
         "prompt_tokens": prompt, "cached_tokens": sum(r.cached_tokens for r in done),
         "hit_rate": sum(r.cached_tokens for r in done) / prompt if prompt else None,
         "preemptions": result.preemptions, "preempted_requests": sum(r.preemptions > 0 for r in done),
-        "snapshots_evicted": cache.get("snapshots_evicted", 0), "kv_pages_freed_by_eviction": cache.get("kv_pages_freed", 0),
+        "snapshots_written": result.snapshots_written, "snapshots_evicted": cache.get("snapshots_evicted", 0), "kv_pages_freed_by_eviction": cache.get("kv_pages_freed", 0),
         "pressure": result.pressure.summary(), "sim_wall_s": result.wall_s,
     }
 
@@ -89,7 +89,7 @@ def render(summary: dict[str, Any], title: str) -> str:
         lines.append(f"  {name:<12} mean {_fmt(d['mean'])}  p50 {_fmt(d['p50'])}  p90 {_fmt(d['p90'])}  "
                      f"p99 {_fmt(d['p99'])} ms")
     lines.append(f"  cache        hit rate {_fmt(s['hit_rate'] and s['hit_rate'] * 100)} % of prompt tokens; "
-                 f"{s['snapshots_evicted']} snapshots evicted; {s['preemptions']} preemptions")
+                 f"{s['snapshots_written']} snapshots written, {s['snapshots_evicted']} evicted; {s['preemptions']} preemptions")
     if p:
         lines.append(f"  pools        pages used {p['pages_used']['mean']:.0%} (max {p['pages_used']['max']:.0%}), "
                      f"slots used {p['slots_used']['mean']:.0%} (max {p['slots_used']['max']:.0%}), "

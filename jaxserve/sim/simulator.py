@@ -51,6 +51,8 @@ class SimConfig:
         for name in ("page_size", "num_pages", "max_prefill_tokens", "max_running", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.snapshot_interval < SNAPSHOT_INTERVAL or self.snapshot_interval % SNAPSHOT_INTERVAL:
+            raise ValueError(f"snapshot_interval must be a multiple of {SNAPSHOT_INTERVAL}, got {self.snapshot_interval}")
         if self.hybrid and self.num_slots < 1:
             raise ValueError(f"a hybrid engine needs num_slots >= 1, got {self.num_slots}")
 
@@ -81,6 +83,7 @@ class SimExecutor:
         self.free_at = 0.0
         self.steps = 0
         self.busy_s = 0.0
+        self.snapshots_written = 0  # linear-state snapshots the steps wrote (the cache's state traffic)
         self._seeds: dict[str, int] = {}  # rid -> crc32 of it, the token stream's seed
 
     def dispatch(self, plan: StepPlan):
@@ -89,6 +92,7 @@ class SimExecutor:
         self.free_at = start + dt
         self.steps += 1
         self.busy_s += dt
+        self.snapshots_written += sum(len(row.snapshots) for row in plan.rows)
         tokens = [self.lo + (self._seed(row.req.rid) + 7919 * row.sample_idx) % self.span for row in plan.rows]
         return self.free_at, tokens
 
@@ -160,6 +164,7 @@ class SimResult:
     preemptions: int
     cache: dict[str, float]      # HybridRadixCache.metrics() at the end
     wall_s: float                # host seconds the simulation took
+    snapshots_written: int = 0   # linear-state snapshots the steps wrote
 
 
 def build_engine(config: SimConfig, policy: Policy, cost: CostModel, clock: VirtualClock,
@@ -207,4 +212,4 @@ def simulate(records: Sequence[TraceRecord], policy: Policy | str, cost: CostMod
     start = min((r.arrival for r in requests), default=0.0)
     end = max((r.finish for r in requests if r.finish is not None), default=start)
     return SimResult(requests, pressure, end - start, executor.steps, executor.busy_s, sched.num_preemptions,
-                     sched.cache.metrics(), time.perf_counter() - wall0)
+                     sched.cache.metrics(), time.perf_counter() - wall0, executor.snapshots_written)

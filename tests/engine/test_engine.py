@@ -137,3 +137,23 @@ def test_scan_layers_serves_as_the_unrolled_layers(oracle_dir, scan_layers):
         assert o.output_ids == generate(unrolled.params, unrolled.config, p, greedy(8)).output_ids
     assert llm.engine.snapshot_checksum_mismatches == 0
     assert_pools_free_after_flush(llm.engine)
+
+
+def test_a_longer_snapshot_interval_snapshots_less_and_hits_equal_cold(oracle_dir):
+    """``snapshot_interval=128``: a prompt leaves snapshots only at multiples of 128 (half the slots of
+    64), a hit resumes from the last of them, and its tokens are still the cold ones."""
+    llm = make_llm(oracle_dir / "qwen3_5-dense", snapshot_interval=128)
+    engine = llm.engine
+    rng = random.Random(4)
+    base = [rng.randrange(VOCAB) for _ in range(300)]
+    first = engine.generate([base], greedy(4))[0]
+    assert first.output_ids == cold(llm, base, 4)
+    cache = engine.scheduler.cache
+    held = [b for b in (64, 128, 192, 256) if cache.has_snapshot_at(base[:b + 1], b)]
+    assert held == [128, 256] and cache.num_snapshots == 2, held
+    for n in (200, 299):  # shares 200 / 299 tokens: resumes at 128 / 256
+        out = engine.generate([base[:n] + [7]], greedy(4))[0]
+        assert out.cached_tokens == (n // 128) * 128
+        assert out.output_ids == cold(llm, base[:n] + [7], 4)
+    assert engine.snapshot_checksum_mismatches == 0
+    assert_pools_free_after_flush(engine)

@@ -111,6 +111,8 @@ def test_serve_bad_model_exits_2():
 
 @pytest.mark.parametrize("flag, value, message", [("--mem-fraction", "0", "--mem-fraction must be in (0, 1]"),
                                                   ("--compile-workers", "0", "--compile-workers must be >= 1"),
+                                                  ("--snapshot-interval", "96",
+                                                   "--snapshot-interval must be a multiple of 64"),
                                                   ("--request-read-timeout", "0", "--request-read-timeout must be > 0"),
                                                   ("--limit-concurrency", "-1", "--limit-concurrency must be > 0")])
 def test_serve_bad_start_up_flags_exit_2(flag, value, message):

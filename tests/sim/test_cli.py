@@ -47,6 +47,22 @@ def test_sweep_writes_one_table_and_plot(files, capsys):
     assert (tmp / "sw" / "sweep.png").exists()
 
 
+def test_a_longer_snapshot_interval_writes_fewer_snapshots(files):
+    """--snapshot-interval reaches the simulated scheduler. Prompts of 200 tokens behind two shared
+    128-token prefixes: at 64 each group's first request writes 64 and 128, every request 192 (34);
+    at 128 only the two 128s, and the shared prefixes hit as much."""
+    tmp, trace, cost = files
+    written, hits = {}, {}
+    for interval in (64, 128):
+        out = tmp / f"i{interval}.json"
+        assert main(["sim", "--trace", trace, "--cost", cost, "--snapshot-interval", str(interval),
+                     "--json", str(out)]) == 0
+        doc = json.loads(out.read_text())
+        assert doc["config"]["snapshot_interval"] == interval and doc["summary"]["completed"] == 30
+        written[interval], hits[interval] = doc["summary"]["snapshots_written"], doc["summary"]["hit_rate"]
+    assert written == {64: 34, 128: 2} and hits[64] == hits[128] > 0, (written, hits)
+
+
 def test_gen_then_run_a_generated_workload(tmp_path, files):
     _, _, cost = files
     out = tmp_path / "agents.jsonl"
@@ -60,6 +76,7 @@ def test_gen_then_run_a_generated_workload(tmp_path, files):
     (["sim", "--workload", "tenants", "--policy", "nope"], "unknown scheduling policy"),
     (["sim", "--workload", "tenants", "--cost", "missing.json"], "cannot read cost model"),
     (["sim", "--workload", "tenants", "--n", "0"], "--n must be"),
+    (["sim", "--workload", "tenants", "--n", "5", "--snapshot-interval", "100"], "snapshot_interval must be a multiple"),
 ])
 def test_user_errors_exit_2(argv, message, capsys):
     assert main(argv) == 2
