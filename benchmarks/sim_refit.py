@@ -36,6 +36,25 @@ def refit(samples: dict, features: list[str]):
     return CostModel(tuple(c if k else 0.0 for c, k in zip(m.coef, keep)), m.engine, m.device, m.fit_stats)
 
 
+def step_errors(cost, real_steps) -> dict | None:
+    """The real trace run's steps (``validate``'s ``real_steps``) against ``cost``'s prediction, by
+    kind: how many, measured and predicted seconds in all, and the median relative error."""
+    from jaxserve.sim.cost import FEATURES
+
+    if not real_steps:
+        return None
+    steps = np.asarray(real_steps, float)
+    X, y = steps[:, :len(FEATURES)], steps[:, len(FEATURES)]
+    pred = X @ np.asarray(cost.coef)
+    mixed = X[:, FEATURES.index("mixed")] > 0
+    out = {}
+    for kind, sel in (("decode", ~mixed), ("mixed", mixed)):
+        if sel.any():
+            out[kind] = {"steps": int(sel.sum()), "measured_s": float(y[sel].sum()), "predicted_s": float(pred[sel].sum()),
+                         "median_rel_err": float(np.median((pred[sel] - y[sel]) / y[sel]))}
+    return out
+
+
 def main() -> None:
     from jaxserve.sim.calibrate import compare
     from jaxserve.sim.cost import FEATURES
@@ -58,7 +77,9 @@ def main() -> None:
     real_duration = max(r.finish for r in real if r.finish is not None) - min(r.arrival for r in real)
     cmp["duration"] = {"real_s": real_duration, "sim_s": result.duration_s,
                        "rel_err": (result.duration_s - real_duration) / real_duration}
-    print(json.dumps({"coef_s": dict(zip(FEATURES, cost.coef)), "fit": cost.fit_stats, "comparison": cmp}, indent=1))
+    steps = step_errors(cost, val["requests"].get("real_steps"))
+    print(json.dumps({"coef_s": dict(zip(FEATURES, cost.coef)), "fit": cost.fit_stats, "comparison": cmp,
+                      "real_steps": steps}, indent=1))
     if args.out:
         cost.save(args.out)
 

@@ -69,7 +69,7 @@ class EngineArgs:
     # Tokens between the linear-state snapshots a request leaves in the prefix cache (a multiple of
     # the kernels' 64-token chunk). A hit resumes from the last snapshot at or before the shared
     # prefix's end, so a larger interval recomputes up to interval - 1 more tokens a hit; each
-    # snapshot is a state of every linear-attention layer (37.7 MB for the real-size qwen3_5_moe),
+    # snapshot is a state of every linear-attention layer (37 MiB for the real-size qwen3_5_moe),
     # so a larger interval writes interval / 64 times fewer of them and holds that many fewer slots.
     snapshot_interval: int = SNAPSHOT_INTERVAL
     policy: str = "fcfs"

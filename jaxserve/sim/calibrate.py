@@ -159,12 +159,21 @@ def validate(engine: Engine, records, cost: CostModel, policy: str = "fcfs",
              details: dict | None = None) -> dict[str, Any]:
     """The trace through the real engine (wall clock, arrivals on time) and through the simulator
     configured as that engine; both start from an empty prefix cache. ``details``, if given,
-    receives both runs' request records (``"real"``, ``"sim"``: ``RequestRecord`` fields), so another
-    cost model can be compared with the same real run offline (``benchmarks/sim_refit.py``)."""
+    receives both runs' request records (``"real"``, ``"sim"``: ``RequestRecord`` fields) and the
+    real run's steps timed as calibration times them (``"real_steps"``: features, seconds, and the
+    seconds the cost model predicted), so another cost model can be compared with the same real run,
+    request by request and step by step, offline (``benchmarks/sim_refit.py``)."""
     engine.scheduler.cache.flush()
+    desc = engine_description(engine)
+    inner = engine.executor
+    timed = TimedExecutor(inner, desc["token_buckets"], desc["seq_buckets"])
+    engine.executor = timed
     t0 = time.perf_counter()
     now = lambda: time.perf_counter() - t0  # noqa: E731
-    real = drive_trace(engine, Replay(records), now, lambda t: time.sleep(max(0.0, t - now())))
+    try:
+        real = drive_trace(engine, Replay(records), now, lambda t: time.sleep(max(0.0, t - now())))
+    finally:
+        engine.executor = inner
     real_duration = max(r.finish for r in real if r.finish is not None) - min(r.arrival for r in real)
     config = SimConfig.from_engine(engine_description(engine))
     result = simulate(records, policy, cost, config)
@@ -172,6 +181,7 @@ def validate(engine: Engine, records, cost: CostModel, policy: str = "fcfs",
     if details is not None:
         details["real"] = [dataclasses.asdict(r) for r in real]
         details["sim"] = [dataclasses.asdict(r) for r in result.requests]
+        details["real_steps"] = [[*f, s, cost.predict(f)] for f, s in timed.samples]
     cmp["duration"] = {"real_s": real_duration, "sim_s": result.duration_s,
                        "rel_err": (result.duration_s - real_duration) / real_duration}
     return cmp
