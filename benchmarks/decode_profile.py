@@ -173,7 +173,8 @@ def agreement(base: dict, other: dict) -> dict:
             "requests_diverged": diverged, "requests": len(base)}
 
 
-def forced_agreement(engine, cfgs: list, rows: int, prompt_len: int, steps: int, seed: int) -> dict:
+def forced_agreement(engine, cfgs: list, rows: int, prompt_len: int, steps: int, seed: int,
+                     control: bool = False) -> dict:
     """Teacher-forced greedy top-1 agreement of each of ``cfgs[1:]`` with ``cfgs[0]``: ``rows`` random
     prompts prefilled together, then ``steps`` decode steps in which every setting is fed the
     baseline's argmax token, so each position compares the settings on the same context. (The
@@ -181,7 +182,12 @@ def forced_agreement(engine, cfgs: list, rows: int, prompt_len: int, steps: int,
     model's flat logits is often a near-tie within bf16 rounding.) Per setting: the share of
     positions (prefill's last token included) whose argmax agrees, the baseline's top-2 logit gap at
     each disagreement, and the largest |logit| difference. Runs the engine's step programs directly
-    on the idle engine's pools (pages 1.., slots 1..rows) and a copy per other setting."""
+    on the idle engine's pools (pages 1.., slots 1..rows) and a copy per other setting.
+
+    ``control``: also the baseline against itself computed another way, as the floor the others'
+    agreement is read against: the same setting with each prompt prefilled alone (another batch,
+    so other chunk grids, expert groups and reduction orders; the same math), then fed the same
+    tokens. Its entry is last in ``per_setting``, named ``control``."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -194,38 +200,49 @@ def forced_agreement(engine, cfgs: list, rows: int, prompt_len: int, steps: int,
     n_pages = -(-(prompt_len + steps) // b.page_size)
     prompts = [random_ids(rng, engine, prompt_len) for _ in range(rows)]
     pages = [list(range(1 + i * n_pages, 1 + (i + 1) * n_pages)) for i in range(rows)]
-    pools = [ex.pools] + [jax.tree.map(jnp.copy, ex.pools) for _ in cfgs[1:]]
-    stats = [{"positions": 0, "agree": 0, "gaps_at_disagreement": [], "max_abs_logit_diff": 0.0} for _ in cfgs[1:]]
+    runs = cfgs + ([cfgs[0]] if control else [])  # the control: the baseline's setting, its own pools
+    pools = [ex.pools] + [jax.tree.map(jnp.copy, ex.pools) for _ in runs[1:]]
+    stats = [{"positions": 0, "agree": 0, "gaps_at_disagreement": [], "max_abs_logit_diff": 0.0} for _ in runs[1:]]
 
-    def run(specs) -> np.ndarray:
-        """One step of ``specs`` under every setting; returns the baseline's argmax per row."""
-        batch = runner.make_batch(specs, b)
-        logits = []
-        for k, cfg in enumerate(cfgs):
-            out, pools[k] = runner.step(ex.params, cfg, pools[k], batch, feed_tokens=runner.feed_buffer(b.seqs[-1]),
-                                        return_logits=True, placement=ex.placement)
-            logits.append(out.logits[:len(specs)])
+    def one(k, specs):
+        """Logits of ``specs``' rows after one step of setting ``k`` on its pools."""
+        out, pools[k] = runner.step(ex.params, runs[k], pools[k], runner.make_batch(specs, b),
+                                    feed_tokens=runner.feed_buffer(b.seqs[-1]), return_logits=True,
+                                    placement=ex.placement)
+        return out.logits[:len(specs)]
+
+    def compare(logits) -> np.ndarray:
+        """Tally every setting's argmax against the baseline's (``logits[0]``); returns the latter."""
         top2 = jax.lax.top_k(logits[0], 2)[0]
         base = np.asarray(jnp.argmax(logits[0], -1))
         gap = np.asarray(top2[:, 0] - top2[:, 1])
         for st, lo in zip(stats, logits[1:]):
             got = np.asarray(jnp.argmax(lo, -1))
-            st["positions"] += len(specs)
+            st["positions"] += len(got)
             st["agree"] += int((got == base).sum())
             st["gaps_at_disagreement"] += [round(float(g), 4) for g in gap[got != base]]
             st["max_abs_logit_diff"] = max(st["max_abs_logit_diff"], float(jnp.max(jnp.abs(lo - logits[0]))))
         return base
 
+    def run(specs) -> np.ndarray:
+        """One step of ``specs`` under every setting; returns the baseline's argmax per row."""
+        return compare([one(k, specs) for k in range(len(runs))])
+
     fed = []
     per_step = b.chunked_rows or rows  # rows of several tokens a step may hold
+    prefill = lambda i: runner.RowSpec(tokens=prompts[i], start=0, pages=pages[i], slot=1 + i)  # noqa: E731
     for lo in range(0, rows, per_step):
         ids = range(lo, min(rows, lo + per_step))
-        fed += run([runner.RowSpec(tokens=prompts[i], start=0, pages=pages[i], slot=1 + i) for i in ids]).tolist()
+        logits = [one(k, [prefill(i) for i in ids]) for k in range(len(cfgs))]
+        if control:  # each prompt alone: another batch of the same math
+            logits.append(jnp.concatenate([one(len(runs) - 1, [prefill(i)]) for i in ids]))
+        fed += compare(logits).tolist()
     for j in range(steps - 1):
         fed = run([runner.RowSpec(tokens=[fed[i]], start=prompt_len + j, pages=pages[i], slot=1 + i)
                    for i in range(rows)]).tolist()
     ex.pools = pools[0]
-    for st in stats:
+    for st, name in zip(stats, [c.kernels for c in cfgs[1:]] + (["control"] if control else [])):
+        st["setting"] = name
         st["share"] = round(st["agree"] / max(1, st["positions"]), 4)
         st["max_abs_logit_diff"] = round(st["max_abs_logit_diff"], 4)
     return {"rows": rows, "prompt_len": prompt_len, "steps": steps, "per_setting": stats}
@@ -244,6 +261,9 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128, help="tokens generated per request")
     ap.add_argument("--forced-steps", type=int, default=0,
                     help="teacher-forced agreement of the settings over this many positions of each of 32 rows, first")
+    ap.add_argument("--forced-control", action="store_true",
+                    help="with --forced-steps: also the first setting against itself with each prompt prefilled "
+                         "alone (the agreement floor)")
     args = ap.parse_args()
     from jaxserve.engine.llm import EngineArgs, build_engine
 
@@ -261,9 +281,10 @@ def main() -> None:
            "rows": [], "breakdown": {},
            "agreement": {}}
     base_cfg, tokens = engine.executor.cfg, {}
-    if args.forced_steps and len(settings) > 1:
+    if args.forced_steps and (len(settings) > 1 or args.forced_control):
         cfgs = [dataclasses.replace(base_cfg, kernels=k) for k in settings]
-        res["forced_agreement"] = forced_agreement(engine, cfgs, 32, args.prompt_len, args.forced_steps, seed=400)
+        res["forced_agreement"] = forced_agreement(engine, cfgs, 32, args.prompt_len, args.forced_steps, seed=400,
+                                                   control=args.forced_control)
         log(f"forced agreement: {json.dumps(res['forced_agreement'])[:2000]}")
         args.out.write_text(json.dumps(res, indent=1))
     for n in [int(x) for x in args.prefill_lens.split(",") if x]:
