@@ -17,9 +17,10 @@
 #            the check part when CHECK_SUITES names linear)
 #   memory   decode-step temporaries with every kernel vs jnp (benchmarks/step_memory.py, 4 layers, pools
 #            large enough that a copy of one would show: a kernel that copies a pool is >0.5 GiB above jnp)
-#   sim      the simulator's GPU cost model and its validation (jaxserve sim calibrate, then sim validate on a
-#            generated shared-prompts trace of $SIM_N requests at $SIM_RATE a second), engine flags in $SIM_ARGS;
-#            results $OUT/sim-cost.json, $OUT/sim-validation.json
+#   sim      the simulator's GPU cost model and its validation (jaxserve sim validate: calibrate, then a generated
+#            shared-prompts trace of $SIM_N requests at $SIM_RATE a second through the engine and the simulator, one
+#            engine build), engine flags in $SIM_ARGS; results $OUT/sim-validation.json (cost model, requests, the
+#            real run's steps), $OUT/sim-samples.json (the calibration's steps); give it CALL_LIMIT >= 450 on a cold machine
 #   e2e      jaxserve serve + jaxserve bench rows (benchmarks/e2e.py), serve flags in $SERVE_ARGS
 # Needs the HTTP wheels for e2e: ../shared/tools/device-wheels.sh httpx httpcore h11 certifi idna; carry .whl.
 #   PARTS=moe,decode bash scripts/device/serving_call.sh
@@ -102,15 +103,14 @@ if [[ $parts == *,decode,* ]]; then
 fi
 if [[ $parts == *,sim,* ]]; then
   python3 -m jaxserve.cli sim gen shared-prompts --n ${SIM_N:-150} --rate ${SIM_RATE:-5} --seed 1 --out "$OUT/sim-trace.jsonl"
-  # shellcheck disable=SC2086
-  timeout $(( $(left) / 2 )) python3 -m jaxserve.cli sim calibrate --model runs/e2e-ck --compile-cache /tmp/jax-cache \
-    --out "$OUT/sim-cost.json" --samples "$OUT/sim-samples.json" ${SIM_ARGS:-} > "$OUT/sim-calibrate.log" 2>&1
-  echo "sim calibrate rc=$?"; tail -4 "$OUT/sim-calibrate.log" | cut -c1-400
+  # one engine build: validate calibrates the cost model first (its steps into sim-samples.json), then replays the
+  # trace through the engine and the simulator; the fitted model is the result's cost_model
   # shellcheck disable=SC2086
   timeout $(left) python3 -m jaxserve.cli sim validate --model runs/e2e-ck --compile-cache /tmp/jax-cache \
-    --trace "$OUT/sim-trace.jsonl" --cost "$OUT/sim-cost.json" --out "$OUT/sim-validation.json" ${SIM_ARGS:-} \
+    --trace "$OUT/sim-trace.jsonl" --samples "$OUT/sim-samples.json" --out "$OUT/sim-validation.json" ${SIM_ARGS:-} \
     > "$OUT/sim-validate.log" 2>&1
-  echo "sim validate rc=$?"; tail -12 "$OUT/sim-validate.log" | cut -c1-400
+  echo "sim validate rc=$?"; tr '\r' '\n' < "$OUT/sim-validate.log" | grep -a "step programs in\|calibrated" | cut -c1-300
+  tail -12 "$OUT/sim-validate.log" | cut -c1-400
 fi
 if [[ $parts == *,e2e,* ]]; then
   # shellcheck disable=SC2086
