@@ -171,11 +171,11 @@ def main() -> None:
     try:
         if "decode1" in rows:
             r = bench(args.port, work / "b1.json", "--num-prompts", "4", "--input-len", "512", "--output-len", "128",
-                      "--max-concurrency", "1")
+                      "--max-concurrency", "1", "--seed", "1")  # each row its own ids: no row hits another's prompts
             result["rows"].append(row_from(r, "random 512/128", cfg, 1))
         if "decode32" in rows:
             r = bench(args.port, work / "b32.json", "--num-prompts", "64", "--input-len", "512", "--output-len", "128",
-                      "--max-concurrency", "32")
+                      "--max-concurrency", "32", "--seed", "32")
             result["rows"].append(row_from(r, "random 512/128", cfg, 32))
         if "prefix" in rows:
             r = bench(args.port, work / "bp.json", "--workload", "shared-prefix", "--num-groups", "1", "--prefix-len",
@@ -189,7 +189,7 @@ def main() -> None:
             row["cached_tokens_of_repeats"] = [q["cached_tokens"] for q in reqs[1:]]
             result["rows"].append(row)
         if "prefill" in rows:
-            for n in (8192, 32768):  # a seed of its own: the same seed's ids would repeat the shorter row's prefix
+            for n in (8192, 32768):
                 r = bench(args.port, work / f"bf{n}.json", "--num-prompts", "2", "--input-len", str(n), "--output-len",
                           "1", "--max-concurrency", "1", "--seed", str(n))
                 row = row_from(r, f"prefill {n}/1", cfg, 1)
