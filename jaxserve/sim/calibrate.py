@@ -11,10 +11,7 @@ the engine as it serves, host work included. Every step program is compiled befo
 The calibration workload covers the feature space in rounds: for each batch size of the runner's
 decode ladder and each prompt length of a ladder up to twice the prefill budget, that many requests of
 that length, half of them sharing a prefix with an earlier round (hit restores), each generating
-enough tokens for many decode steps. Rounds of more than four full prefill steps are skipped. Then
-rounds shaped like serving (``arrival_rounds``): a few requests decoding while prompts of 64 to
-4,096 tokens arrive one at a time, so the mixed steps a TTFT waits on (one prompt's prefill beside
-the decoding rows) are measured too, not only the rounds' first steps.
+enough tokens for many decode steps. Rounds of more than four full prefill steps are skipped.
 """
 
 from __future__ import annotations
@@ -104,33 +101,6 @@ def calibration_rounds(engine: Engine, seq_buckets, seed: int, output_len: int) 
     return rounds
 
 
-def arrival_rounds(engine: Engine, seed: int, output_len: int) -> list[tuple[list, list]]:
-    """Rounds shaped like serving (see the module docstring): (background prompts, arriving prompts).
-    The background requests decode while the arriving prompts come one at a time, so each arrival's
-    prefill shares a mixed step with the decoding rows: the step a request's TTFT waits on, of which
-    ``calibration_rounds`` make few (on the H100: 46 of 1,685 steps)."""
-    s = engine.scheduler
-    rng = random.Random(seed + 1)
-    vocab_hi = min(engine.vocab_size - 1, 1000)
-    room = min(s.max_pages_per_seq, s.pages.capacity // max(1, s.max_running)) * s.page_size - 2 * output_len
-    lengths = [n for n in (64, 256, 1024, 4096) if n <= min(s.max_prefill_tokens, room)]
-    backgrounds = sorted({b for b in (1, 4, 16) if b < s.max_running} | {max(1, s.max_running // 2)})
-    ids = lambda n: [rng.randrange(10, vocab_hi) for _ in range(n)]  # noqa: E731
-    return [([ids(32) for _ in range(B)], [ids(L) for _ in range(4)]) for L in lengths for B in backgrounds]
-
-
-def _serve_arrivals(engine: Engine, background: list, arriving: list, output_len: int, every: int = 3) -> None:
-    """``background`` decoding, then one of ``arriving`` every ``every`` steps, until all finish."""
-    for prompt in background:
-        engine.add_request(prompt, SamplingParams(max_tokens=2 * output_len, ignore_eos=True))
-    steps, pending = 0, list(arriving)
-    while engine.has_work() or pending:
-        if pending and steps >= 2 and steps % every == 0:
-            engine.add_request(pending.pop(0), SamplingParams(max_tokens=4, ignore_eos=True))
-        engine.step()
-        steps += 1
-
-
 def calibrate(engine: Engine, *, seed: int = 0, output_len: int = 64, device: str = "",
               samples: list | None = None) -> CostModel:
     """Run the calibration rounds on ``engine`` and fit the cost model to its steps. ``samples``, if
@@ -143,8 +113,6 @@ def calibrate(engine: Engine, *, seed: int = 0, output_len: int = 64, device: st
     try:
         for prompts in calibration_rounds(engine, desc["seq_buckets"], seed, output_len):
             engine.generate(prompts, SamplingParams(max_tokens=output_len, ignore_eos=True))
-        for background, arriving in arrival_rounds(engine, seed, output_len):
-            _serve_arrivals(engine, background, arriving, output_len)
     finally:
         engine.executor = inner
     engine.scheduler.cache.flush()
