@@ -11,18 +11,22 @@ from jaxserve.engine.flags import DEFAULT_MODEL_DIR
 from jaxserve.engine.llm import EngineArgs, build_engine
 from jaxserve.sim import workload
 from jaxserve.sim.calibrate import calibrate, validate
+from jaxserve.sim.cost import FEATURES
 
 
 def test_simulator_predicts_the_real_engine_on_cpu():
     engine = build_engine(EngineArgs(model=str(DEFAULT_MODEL_DIR), dtype="float32", max_prefill_length=64,
                                      max_running_requests=2, num_pages=128, num_slots=16, compile_all=True,
                                      progress=False))
-    cost = calibrate(engine, output_len=24)
-    assert cost.fit_stats["steps"] >= 40 and cost.fit_stats["total_time_rel_err"] < 0.1
+    samples: list = []
+    cost = calibrate(engine, output_len=24, samples=samples)
+    assert cost.fit_stats["steps"] == len(samples) >= 40 and cost.fit_stats["total_time_rel_err"] < 0.1
     records = workload.shared_prompts(10, rate=4.0, groups=2, group_len=64, input_len=24, output_len=8,
                                       range_ratio=0.0, seed=1)
-    cmp = validate(engine, records, cost)
-    assert cmp["requests"] == 10
+    details: dict = {}
+    cmp = validate(engine, records, cost, details=details)
+    assert cmp["requests"] == 10 and len(details["real"]) == len(details["sim"]) == 10
+    assert len(details["real_steps"]) >= 10 and all(len(row) == len(FEATURES) + 2 for row in details["real_steps"])
     assert cmp["finish_order_kendall_tau"] > 0.7
     assert abs(cmp["duration"]["rel_err"]) < 0.3
     assert 0.5 < cmp["ttft"]["p50"]["sim_ms"] / cmp["ttft"]["p50"]["real_ms"] < 2
