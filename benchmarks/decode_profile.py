@@ -130,7 +130,8 @@ def prefill_breakdown(engine, length: int, seed: int, hlo_out: Path | None = Non
         return wall
     b = engine.executor.buckets
     T = next((t for t in b.tokens if t >= length), b.tokens[-1])  # longer prompts: steps of the largest
-    return {**wall, **named_breakdown(engine, per, (T, b.rows_for(T), b.snapshot_sizes(T, False)[-1], False), hlo_out)}
+    B = b.row_sizes(T)[0]  # one prompt alone: the one-row program where there is one
+    return {**wall, **named_breakdown(engine, per, (T, B, b.snapshot_sizes(T, False, B)[-1], False), hlo_out)}
 
 
 def named_breakdown(engine, per, program, hlo_out: Path | None) -> dict:
@@ -156,6 +157,7 @@ def named_breakdown(engine, per, program, hlo_out: Path | None) -> dict:
     # time of kernels no HLO instruction names (cuBLAS, cub, or a naming miss to look into)
     res["unnamed_ms"] = round(sum(v["ms"] for s, v in res["scopes"].items() if s.startswith("library:")), 5)
     res["kernel_names"] = [name for name, _ in per[0]]  # one call's kernels in launch order: to check the naming offline
+    res["kernel_us"] = [round(t * 1e3, 2) for _, t in per[0]]  # and their times (µs), to read beside the HLO offline
     return res
 
 
@@ -257,6 +259,8 @@ def main() -> None:
     ap.add_argument("--prefill-lens", default="", help="prompt lengths whose cold prefill step to break down first")
     ap.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
                     help="the engine's stacked layout (EngineArgs.scan_layers); --no-scan-layers: the layers as a list")
+    ap.add_argument("--one-row-programs", action=argparse.BooleanOptionalAction, default=True,
+                    help="EngineArgs.one_row_programs: a prompt alone in its step runs the one-row program")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new", type=int, default=128, help="tokens generated per request")
     ap.add_argument("--forced-steps", type=int, default=0,
@@ -275,9 +279,10 @@ def main() -> None:
     t0 = time.time()
     engine = build_engine(EngineArgs(model=str(args.ckpt), dtype="bfloat16", max_running_requests=32,
                                      max_prefill_length=4096, num_pages=4096, num_slots=96, kernels=settings[0],
-                                     scan_layers=args.scan_layers))
+                                     scan_layers=args.scan_layers, one_row_programs=args.one_row_programs))
     log(f"built in {time.time() - t0:.0f}s on {jax.devices()[0].device_kind}")
     res = {"device": jax.devices()[0].device_kind, "settings": settings, "scan_layers": args.scan_layers,
+           "one_row_programs": args.one_row_programs,
            "rows": [], "breakdown": {},
            "agreement": {}}
     base_cfg, tokens = engine.executor.cfg, {}

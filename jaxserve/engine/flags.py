@@ -41,7 +41,7 @@ def engine_args(args: argparse.Namespace, progress: bool):
         max_prefill_length=args.max_prefill_length, max_running_requests=args.max_running_requests,
         num_pages=args.num_pages, num_slots=args.num_slots, policy=args.policy, kernels=args.kernels,
         snapshot_interval=args.snapshot_interval,
-        scan_layers=args.scan_layers,
+        scan_layers=args.scan_layers, one_row_programs=args.one_row_programs,
         overlap_schedule=not args.disable_overlap_schedule, mem_fraction=args.mem_fraction,
         compile_all=args.command == "serve", compile_workers=args.compile_workers,
         compile_cache=False if args.no_compile_cache else (args.compile_cache or True),
@@ -90,6 +90,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="run the repeating layers as one scan over stacked weights: step programs compile "
                         "2.4-4x faster (CPU) and the real-size MoE's batch-32 decode step ran 2x faster on an "
                         "H100; --no-scan-layers runs them as a list (default: %(default)s)")
+    p.add_argument("--one-row-programs", action=argparse.BooleanOptionalAction, default=d["one_row_programs"],
+                   help="also compile a one-row program per prefill token bucket, so a prompt alone in its step "
+                        "(an idle server, a long prompt) pays for no padding rows; --no-one-row-programs "
+                        "compiles half the prefill programs (default: %(default)s)")
     p.add_argument("--mem-fraction", type=float, default=d["mem_fraction"], metavar="F",
                    help="share of the device's memory for params, pools and the largest step's temporaries "
                         "(measured at start-up); ignored on a CPU (default: %(default)s)")

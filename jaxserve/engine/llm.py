@@ -79,6 +79,10 @@ class EngineArgs:
     # the H100 the real-size qwen3_5_moe's batch-32 decode step took 10-11 ms against the list
     # layout's 23 ms, batch 1 no slower (benchmarks/RESULTS.md). False: the layers as a list.
     scan_layers: bool = True
+    # A mixed program of one row per token bucket beside the full-width one (runner.Buckets): a
+    # prompt alone in its step (an idle server, a long prompt's chunks while nothing decodes) then
+    # pays for no padding rows. False: half the mixed programs to compile, slower lone prompts.
+    one_row_programs: bool = True
     overlap_schedule: bool = True  # plan and dispatch step N+1 while step N runs (Engine docstring)
     debug_snapshot_checksums: bool = False
     progress: bool = True
@@ -259,7 +263,7 @@ def build_engine(args: EngineArgs) -> Engine:
     max_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     buckets = Buckets.for_limits(max_prefill_tokens=args.max_prefill_length, max_seqs=args.max_running_requests,
                                  max_model_len=max_len, page_size=args.page_size,
-                                 snapshot_interval=args.snapshot_interval)
+                                 snapshot_interval=args.snapshot_interval, one_row_programs=args.one_row_programs)
     # the scheduler's promise to the GDN / KDA layers: few rows of more than one token per step
     cfg = dataclasses.replace(cfg, chunked_rows=buckets.chunked_rows)
     placement = None if tp is None else Placement(params, tp.pool_shardings(cfg))

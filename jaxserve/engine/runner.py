@@ -25,11 +25,12 @@ invariant 3: the next step's input is this step's output, so device work is orde
   Slots and pages named by no row are untouched.
 
 Buckets (``Buckets``): a mixed / prefill step pads T (tokens) to ``Buckets.tokens`` and has
-B = min(T, max_seqs) rows; a pure-decode step (every row exactly one token) takes a separate path
-with T = B padded to ``Buckets.seqs`` (one query per row, one-step recurrent GDN); S (snapshots)
-pads to one of the few sizes ``Buckets.snapshot_sizes(T, decode)`` allows that shape. The page-table
-width is fixed per engine. So a server compiles exactly ``Buckets.programs()`` (|tokens| + at most
-2·|seqs|), and a sampler program per row count and mode (``Buckets.sample_programs()``). A
+B = min(T, max_seqs) rows, or B = 1 when it is one sequence's prompt chunk alone (``row_sizes``);
+a pure-decode step (every row exactly one token) takes a separate path with T = B padded to
+``Buckets.seqs`` (one query per row, one-step recurrent GDN); S (snapshots) pads to one of the few
+sizes ``Buckets.snapshot_sizes(T, decode, B)`` allows that shape. The page-table width is fixed per
+engine. So a server compiles exactly ``Buckets.programs()`` (2·|tokens| + at most 2·|seqs|), and a
+sampler program per row count and mode (``Buckets.sample_programs()``). A
 server compiles them all before it serves (jaxserve/engine/startup.py, through ``lower_step`` and
 ``lower_sample``, which lower a program exactly as ``step`` calls it), so no request waits for a
 compile; ``compile_count()`` says how many step programs have run.
@@ -91,17 +92,21 @@ class StepOutput(NamedTuple):
 class Buckets:
     """The static shapes a running server compiles for (each tuple ascending).
 
-    A mixed / prefill step pads T to ``tokens`` and always has B = ``rows_for(T)`` =
-    min(T, max seqs) rows: every real row holds at least one token, so that many rows always
-    suffice, and B costs no extra compile dimension. A decode step pads B to ``seqs`` (T = B).
+    A mixed / prefill step pads T to ``tokens`` and has B = ``rows_for(T)`` = min(T, max seqs)
+    rows (every real row holds at least one token, so that many rows always suffice), or B = 1
+    when the step is one row (``row_sizes``; ``one_row_programs``): a prompt on an idle server,
+    a long prompt's chunks while nothing decodes. The one-row program exists because a step pays
+    for its padding rows and their snapshot entries: each reads and writes a whole linear state
+    per GDN layer (2 MiB at 32 heads of 128 x 128 fp32) and widens the chunk grid by two chunks
+    (``chunked_rows`` of them), so a lone 512-token prompt in the 32-row program moved ~60 such
+    states a layer and computed 24 chunks for its 8. A decode step pads B to ``seqs`` (T = B).
 
     S (snapshot entries) is not a free dimension: ``snapshot_sizes(T, decode)`` lists the few
     sizes a step of that shape may pad to, each of which is one program (``programs()``):
 
     - mixed: one size, T // I + B, the most any step of T tokens in B rows can ask for (a row of
       n tokens crosses at most n // I + 1 snapshot boundaries; I = ``snapshot_interval``, 64 by
-      default). So |tokens| mixed programs instead of
-      |tokens|·|S ladder|. Cost: every entry past the real ones still gathers one state of every
+      default). So one mixed program per (T, B) instead of one per (T, B, S ladder rung). Cost: every entry past the real ones still gathers one state of every
       GDN layer (~36 MB at hidden 2048 with 18 GDN layers), written nowhere, so a T-token step
       carries up to B padding reads: the same order as the state traffic of its B rows (padding
       rows included), which it already pays.
@@ -113,11 +118,11 @@ class Buckets:
 
     Chunk grid: at most ``chunked_rows`` rows of a mixed step hold more than one token (the
     scheduler's cap, checked by ``make_batch``), so the GDN / KDA layers size their chunk grid
-    T // 64 + 2·chunked_rows instead of T // 64 + 2·B (``ModelConfig.chunked_rows``).
+    T // 64 + 2·min(chunked_rows, B) instead of T // 64 + 2·B (``ModelConfig.chunked_rows``).
 
-    Programs: |tokens| mixed + at most 2·|seqs| decode (``programs()``): 21 for
-    ``max_prefill_tokens=8192, max_seqs=64`` (one S ladder for every shape gave 85), 19 for
-    ``max_seqs=32`` (80)."""
+    Programs: 2·|tokens| mixed (|tokens| without ``one_row_programs``) + at most 2·|seqs| decode
+    (``programs()``): 30 for ``max_prefill_tokens=8192, max_seqs=64``, 28 for ``max_seqs=32``
+    (without the one-row programs 21 and 19; one S ladder for every shape gave 85 and 80)."""
 
     tokens: tuple[int, ...]     # T of mixed / prefill steps; the last is the scheduler's max_prefill_tokens
     seqs: tuple[int, ...]       # B (= T) of decode steps; the last is max_seqs
@@ -125,10 +130,12 @@ class Buckets:
     page_size: int
     chunked_rows: int = CHUNKED_ROWS  # rows of more than one token in a mixed step (the scheduler's cap)
     snapshot_interval: int = KEY_BLOCK  # the scheduler's: snapshots only at multiples of it
+    one_row_programs: bool = True  # a mixed program of B = 1 per T, for steps of one row (``row_sizes``)
 
     @classmethod
     def for_limits(cls, *, max_prefill_tokens: int, max_seqs: int, max_model_len: int, page_size: int,
-                   min_tokens: int = 32, snapshot_interval: int = KEY_BLOCK) -> "Buckets":
+                   min_tokens: int = 32, snapshot_interval: int = KEY_BLOCK,
+                   one_row_programs: bool = True) -> "Buckets":
         """T: powers of two from ``min_tokens`` up to ``max_prefill_tokens`` (16 is left out by
         default: a mixed step of at most 16 tokens is rare, and 32 costs it little); B: powers of
         two up to ``max_seqs``."""
@@ -140,18 +147,26 @@ class Buckets:
         per_block = KEY_BLOCK // page_size
         width = -(-max_model_len // page_size)
         return cls(_ladder(min(min_tokens, max_prefill_tokens), max_prefill_tokens, 2), _ladder(1, max_seqs, 2),
-                   -(-width // per_block) * per_block, page_size, snapshot_interval=snapshot_interval)
+                   -(-width // per_block) * per_block, page_size, snapshot_interval=snapshot_interval,
+                   one_row_programs=one_row_programs)
 
     def rows_for(self, num_tokens: int) -> int:
-        """B of a mixed step with T = ``num_tokens``."""
+        """The most rows (B) of a mixed step with T = ``num_tokens``."""
         return min(num_tokens, self.seqs[-1])
 
-    def snapshot_sizes(self, num_tokens: int, decode: bool) -> tuple[int, ...]:
-        """The S a step of (padded) T = ``num_tokens`` may pad to, ascending; the last always fits
-        every snapshot the scheduler can ask of such a step (see the class doc)."""
+    def row_sizes(self, num_tokens: int) -> tuple[int, ...]:
+        """The B a mixed step of T = ``num_tokens`` may have, ascending: 1 (a step of one row; with
+        ``one_row_programs``) and ``rows_for(T)``."""
+        full = self.rows_for(num_tokens)
+        return (1, full) if self.one_row_programs and full > 1 else (full,)
+
+    def snapshot_sizes(self, num_tokens: int, decode: bool, rows: int | None = None) -> tuple[int, ...]:
+        """The S a step of (padded) T = ``num_tokens`` (and, mixed, B = ``rows``, default
+        ``rows_for(T)``) may pad to, ascending; the last always fits every snapshot the scheduler
+        can ask of such a step (see the class doc)."""
         if decode:
             return (num_tokens,) if num_tokens <= 2 else (max(1, num_tokens // 16), num_tokens)
-        return (num_tokens // self.snapshot_interval + self.rows_for(num_tokens),)
+        return (num_tokens // self.snapshot_interval + (self.rows_for(num_tokens) if rows is None else rows),)
 
     @property
     def snapshots(self) -> tuple[int, ...]:
@@ -160,7 +175,8 @@ class Buckets:
 
     def programs(self) -> list[tuple[int, int, int, bool]]:
         """Every (T, B, S, decode) this bucket set can produce, largest steps last per kind."""
-        mixed = [(t, self.rows_for(t), s, False) for t in self.tokens for s in self.snapshot_sizes(t, False)]
+        mixed = [(t, b, s, False) for t in self.tokens for b in self.row_sizes(t)
+                 for s in self.snapshot_sizes(t, False, b)]
         return mixed + [(b, b, s, True) for b in self.seqs for s in self.snapshot_sizes(b, True)]
 
     def sample_programs(self) -> list[tuple[int, str]]:
@@ -242,9 +258,10 @@ def make_batch(rows: Sequence[RowSpec], buckets: Buckets) -> Batch:
         T = B = _fit(len(rows), buckets.seqs, "rows")
     else:
         T = _fit(sum(len(r.tokens) for r in rows), buckets.tokens, "tokens")
-        B = buckets.rows_for(T)
-        if len(rows) > B:
-            raise ValueError(f"{len(rows)} rows exceed max_seqs {B}")
+        sizes = buckets.row_sizes(T)
+        if len(rows) > sizes[-1]:
+            raise ValueError(f"{len(rows)} rows exceed max_seqs {sizes[-1]}")
+        B = _fit(len(rows), sizes, "rows")
         chunked = sum(len(r.tokens) > 1 for r in rows)
         if buckets.chunked_rows and chunked > buckets.chunked_rows:
             raise ValueError(f"{chunked} rows of more than one token exceed chunked_rows {buckets.chunked_rows}")
@@ -252,7 +269,7 @@ def make_batch(rows: Sequence[RowSpec], buckets: Buckets) -> Batch:
     # T // 64 + chunked_rows entries (ModelConfig.chunked_rows), the rest come from one-token rows
     snaps = sorted(((i, n, dst) for i, r in enumerate(rows) for n, dst in r.snapshots),
                    key=lambda s: len(rows[s[0]].tokens) == 1)
-    S = _fit(len(snaps), buckets.snapshot_sizes(T, decode), "snapshots")
+    S = _fit(len(snaps), buckets.snapshot_sizes(T, decode, B), "snapshots")
     chunked_snaps = sum(len(rows[i].tokens) > 1 for i, _, _ in snaps)
     if buckets.chunked_rows and chunked_snaps > T // KEY_BLOCK + buckets.chunked_rows:
         raise ValueError(f"{chunked_snaps} snapshots of rows of several tokens exceed T // {KEY_BLOCK} + chunked_rows "

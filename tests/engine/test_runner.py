@@ -315,7 +315,23 @@ def test_make_batch_puts_the_snapshots_of_rows_of_several_tokens_first():
     assert b.snap_seq[:2].tolist() == [1, 0] and b.snap_len[:2].tolist() == [64, 1] and b.snap_dst[:2].tolist() == [6, 5]
     two = runner.RowSpec(tokens=[2] * 3, start=62, pages=[1, 2, 3, 4], slot=1, snapshots=[(0, 20), (2, 21)])
     with pytest.raises(ValueError, match="snapshots of rows of several tokens exceed"):
-        runner.make_batch([two], dataclasses.replace(BUCKETS, chunked_rows=1, tokens=(32,)))
+        runner.make_batch([two], dataclasses.replace(BUCKETS, chunked_rows=1, tokens=(32,), one_row_programs=False))
+
+
+def test_make_batch_runs_a_lone_prompt_in_the_one_row_program():
+    """A step of one row takes B = 1 and S = T // 64 + 1 (every boundary its tokens can cross); a
+    second row, a decode riding along, takes the full-width program; without one-row programs both
+    take it."""
+    prompt = runner.RowSpec(tokens=[2] * 100, start=0, pages=list(range(1, 8)), slot=2, snapshots=[(64, 6)])
+    decode = runner.RowSpec(tokens=[1], start=63, pages=[8, 9, 10, 11], slot=1, snapshots=[(1, 5)])
+    lone = runner.make_batch([prompt], BUCKETS)
+    assert (lone.tokens.shape[0], lone.cu_seqlens.shape[0] - 1, lone.snap_seq.shape[0]) == (128, 1, 128 // 64 + 1)
+    both = runner.make_batch([prompt, decode], BUCKETS)
+    assert (both.cu_seqlens.shape[0] - 1, both.snap_seq.shape[0]) == (8, 128 // 64 + 8)
+    full = runner.make_batch([prompt], dataclasses.replace(BUCKETS, one_row_programs=False))
+    assert (full.cu_seqlens.shape[0] - 1, full.snap_seq.shape[0]) == (8, 128 // 64 + 8)
+    progs = BUCKETS.programs()
+    assert (128, 1, 3, False) in progs and (128, 8, 10, False) in progs
 
 
 def test_buckets_for_limits():
@@ -325,7 +341,10 @@ def test_buckets_for_limits():
     assert b.pages_per_seq == 64 and b.rows_for(32) == 32 and b.rows_for(2048) == 48
     assert b.snapshot_sizes(2048, False) == (2048 // 64 + 48,) and b.snapshot_sizes(32, False) == (32,)
     assert [b.snapshot_sizes(n, True) for n in (1, 2, 4, 32, 48)] == [(1,), (2,), (1, 4), (2, 32), (3, 48)]
-    assert len(b.programs()) == 7 + (1 + 1 + 2 * 5) == len(set(b.programs()))
+    assert b.row_sizes(2048) == (1, 48) and b.snapshot_sizes(2048, False, 1) == (2048 // 64 + 1,)
+    assert len(b.programs()) == 2 * 7 + (1 + 1 + 2 * 5) == len(set(b.programs()))
+    without = dataclasses.replace(b, one_row_programs=False)
+    assert without.row_sizes(2048) == (48,) and len(without.programs()) == 7 + (1 + 1 + 2 * 5)
     assert b.with_max_tokens(256).tokens == (32, 64, 128, 256) and b.with_max_tokens(256).seqs == b.seqs
     with pytest.raises(ValueError, match="not one of"):
         b.with_max_tokens(300)
@@ -335,10 +354,12 @@ def test_buckets_for_limits():
 
 @pytest.mark.parametrize("max_seqs, count", [(64, 21), (32, 19)])
 def test_program_counts_of_the_serve_defaults(max_seqs, count):
-    """``--max-prefill-length 8192`` with 64 (the default) or 32 running requests: |tokens| = 9 mixed
-    programs and two per decode bucket above 2 rows (one S ladder per shape gave 85 and 80)."""
+    """``--max-prefill-length 8192`` with 64 (the default) or 32 running requests: 2 x |tokens| = 18
+    mixed programs (full width and one row) and two per decode bucket above 2 rows; 9 fewer without
+    the one-row programs (one S ladder per shape gave 85 and 80)."""
     b = runner.Buckets.for_limits(max_prefill_tokens=8192, max_seqs=max_seqs, max_model_len=8192, page_size=16)
-    assert len(b.programs()) == count
+    assert len(b.programs()) == count + 9
+    assert len(dataclasses.replace(b, one_row_programs=False).programs()) == count
 
 
 def _boundaries_crossed(start: int, n: int) -> int:

@@ -296,7 +296,7 @@ _START = """
 import sys
 from jaxserve.engine.llm import LLM
 LLM(sys.argv[1], dtype="float32", max_prefill_length=64, max_running_requests=2, compile_all=True,
-    compile_cache=sys.argv[2])
+    compile_cache=sys.argv[2], one_row_programs=False)
 """
 
 

@@ -20,9 +20,9 @@ import pytest
 from tests.server.harness import parse_metrics
 
 KEY = "sk-cli"
-# --max-prefill-length 64 --max-running-requests 4: token buckets (32, 64), decode buckets (1, 2, 4)
-# with S in (1,), (2,), (1, 4): 2 + 4 step programs.
-PROGRAMS = 6
+# --max-prefill-length 64 --max-running-requests 4: token buckets (32, 64), each a full-width and a
+# one-row program; decode buckets (1, 2, 4) with S in (1,), (2,), (1, 4): 4 + 4 step programs.
+PROGRAMS = 8
 
 
 def _free_port() -> int:
