@@ -147,7 +147,7 @@ def _unfuse_qwen3_next(cfg: ModelConfig, qkvz: np.ndarray, ba: np.ndarray) -> di
     }
 
 
-def _kda_params(la: str, cfg: ModelConfig, t: Mapping[str, np.ndarray], lin, to_device) -> dict:
+def _kda_params(la: str, cfg: ModelConfig, t: Mapping[str, np.ndarray], lin, to_device, contiguous) -> dict:
     """Kimi Delta Attention into the GDN layer's pytree keys where the math is shared: the q, k, v
     projections as one ``in_proj_qkv`` and their three depthwise convs as one ``conv_w`` (a
     depthwise conv of concatenated channels is the three convs), ``norm`` / ``out_proj``; plus the
@@ -157,7 +157,7 @@ def _kda_params(la: str, cfg: ModelConfig, t: Mapping[str, np.ndarray], lin, to_
     qkv = np.concatenate([t[f"{la}.{x}_proj.weight"] for x in ("q", "k", "v")], axis=0)
     conv = np.concatenate([t[f"{la}.{x}_conv1d.weight"][:, 0, :] for x in ("q", "k", "v")], axis=0)
     return {
-        "in_proj_qkv": {"w": to_device(np.ascontiguousarray(qkv.T))},
+        "in_proj_qkv": {"w": to_device(contiguous(qkv.T))},
         "conv_w": to_device(np.ascontiguousarray(conv)),
         "A_log": to_device(t[f"{la}.A_log"].reshape(h)),
         "dt_bias": to_device(t[f"{la}.dt_bias"].reshape(h, d)),
@@ -172,8 +172,12 @@ def build_params(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], to_device,
     """Arrange canonical HF tensors (already validated against ``hf_shapes``) into the pytree.
 
     ``to_device(array)`` converts one host array to a device array of the chosen dtype; it is
-    called once per leaf so the host copy can be freed as loading goes. ``contiguous`` lays out a
-    transposed weight before it goes (``abstract_params`` passes a no-op: it only reads shapes).
+    called once per leaf so the host copy can be freed as loading goes. A transposed weight reaches
+    it through ``contiguous``, which lays it out on the host (the default); a caller whose
+    ``to_device`` permutes axes on the device passes a no-op and gets the transposes as views of
+    the stored bytes (``weights.loader``: a host transpose ran at ~0.2 GB/s on one core), as does
+    ``abstract_params``, which only reads shapes. Where weights are joined, the stored
+    [out, in] matrices are concatenated (a contiguous copy) and the result transposed as a view.
     """
     t = tensors
 
@@ -186,7 +190,7 @@ def build_params(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], to_device,
     def mlp_params(prefix: str) -> dict:
         # gate and up side by side as one gate_up_proj [H, 2I] (gate columns, then up), so a step
         # multiplies by one weight (one kernel) where two would be two; layers.mlp cuts it
-        gate_up = np.concatenate([t[f"{prefix}.{k}.weight"].T for k in ("gate_proj", "up_proj")], axis=1)
+        gate_up = np.concatenate([t[f"{prefix}.{k}.weight"] for k in ("gate_proj", "up_proj")], axis=0).T
         return {"gate_up_proj": {"w": to_device(contiguous(gate_up))}, "down_proj": lin(f"{prefix}.down_proj")}
 
     layers = []
@@ -197,7 +201,7 @@ def build_params(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], to_device,
             "post_attention_layernorm": to_device(t[f"{pre}.post_attention_layernorm.weight"]),
         }
         if layer_type == LINEAR_ATTENTION and cfg.kda:
-            layer["linear_attn"] = _kda_params(f"{pre}.self_attn", cfg, t, lin, to_device)
+            layer["linear_attn"] = _kda_params(f"{pre}.self_attn", cfg, t, lin, to_device, contiguous)
         elif cfg.is_mla:
             sa = f"{pre}.self_attn"
             names = ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
@@ -214,7 +218,7 @@ def build_params(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], to_device,
                 split = {k: t[f"{la}.{k}.weight"] for k in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
             # one in-projection [H, conv_dim + vd + 2 hv]: q k v | z | b | a side by side, so a step
             # multiplies by one weight (one kernel) where four would be four; gated_deltanet.project cuts it
-            merged = np.concatenate([split[k].T for k in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")], axis=1)
+            merged = np.concatenate([split[k] for k in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")], axis=0).T
             layer["linear_attn"] = {
                 "in_proj": {"w": to_device(contiguous(merged))},
                 "conv_w": to_device(t[f"{la}.conv1d.weight"][:, 0, :]),
@@ -232,9 +236,10 @@ def build_params(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], to_device,
             }
         if cfg.moe_layers[i]:
             m = f"{pre}.mlp"
-            router = t[f"{m}.gate.weight"].T
+            router = t[f"{m}.gate.weight"]
             if cfg.shared_expert_gate:  # Qwen: the shared expert's gate as the router's last column
-                router = np.concatenate([router, t[f"{m}.shared_expert_gate.weight"].T], axis=1)
+                router = np.concatenate([router, t[f"{m}.shared_expert_gate.weight"]], axis=0)
+            router = router.T
             layer["mlp"] = {
                 "router": to_device(contiguous(router)),
                 "gate_up": to_device(contiguous(t[f"{m}.experts.gate_up_proj"].transpose(0, 2, 1))),

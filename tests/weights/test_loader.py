@@ -12,13 +12,15 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
 from jaxserve.config import ConfigError, ModelConfig
 from jaxserve.models.params import build_params, hf_shapes
 from weights import CheckpointError, LoadedModel, load_model
 from weights.loader import check_checkpoint
-from weights.loader import load_tensors
+from weights.loader import load_tensors, put_permuted
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -396,3 +398,33 @@ def test_kimi_linear_reads_transformers_alias_keys():
     canonical.update(num_experts_per_token=2, num_expert_group=2, num_shared_experts=1)
     a, b = ModelConfig.from_hf(raw), ModelConfig.from_hf(canonical)
     assert a == b and a.num_experts_per_tok == 2 and a.num_expert_groups == 2 and a.shared_expert_intermediate_size == 16
+
+
+@settings(max_examples=25, deadline=None)
+@given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=4), data=st.data(),
+       dtype=st.sampled_from([np.float32, BF16]))
+def test_put_permuted_equals_a_host_layout(shape, data, dtype):
+    """Any axis permutation of a stored buffer (the transposed weights ``build_params`` hands over as
+    views), and views that are no permutation (a strided slice), reach the device equal to the host
+    layout ``np.asarray(view, dtype)``, in ``dtype``."""
+    stored = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape).astype(BF16)
+    axes = data.draw(st.permutations(range(len(shape))))
+    for view in (stored.transpose(axes), stored[..., ::2].transpose(axes)):
+        got = put_permuted(view, np.dtype(dtype))
+        assert got.dtype == dtype and got.shape == view.shape
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(view, dtype))
+
+
+def test_a_large_tensor_reads_in_pieces_and_a_truncated_one_is_an_error(tmp_path, monkeypatch):
+    """A tensor of several read pieces comes back whole; a file cut short is a CheckpointError."""
+    from weights import loader
+
+    monkeypatch.setattr(loader, "_READ_PIECE", 64)
+    w = np.arange(1000, dtype=np.float32).reshape(10, 100)
+    save_file({"w": w}, str(tmp_path / "model.safetensors"))
+    entry = loader._read_header(tmp_path / "model.safetensors")["w"]
+    np.testing.assert_array_equal(entry.read(), w)
+    with open(tmp_path / "model.safetensors", "r+b") as f:
+        f.truncate(entry.end - 10)
+    with pytest.raises(CheckpointError, match="truncated"):
+        entry.read()
