@@ -20,10 +20,24 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+def upgrade(steps: list, features: list[str], engine: dict) -> list:
+    """Rows of ``features`` (then seconds, ...) in this simulator's ``FEATURES``: samples of version
+    3 lack ``width``, which for their engines (no one-row programs) is a mixed step's full width
+    min(padded tokens, max seqs), 0 in a decode step."""
+    from jaxserve.sim.cost import FEATURES
+
+    if features != [f for f in FEATURES if f != "width"]:
+        return steps  # current (or unknown: refit says so)
+    i, t, m, top = FEATURES.index("width"), features.index("tokens"), features.index("mixed"), engine["seq_buckets"][-1]
+    return [[*row[:i], min(row[t], top) if row[m] > 0 else 0.0, *row[i:]] for row in steps]
+
+
 def refit(samples: dict, features: list[str]):
     """The cost model fitted on ``features`` only (the others' coefficients 0)."""
     from jaxserve.sim.cost import FEATURES, CostModel, fit
 
+    samples = {**samples, "steps": upgrade(samples["steps"], samples["features"], samples["engine"]),
+               "features": list(FEATURES) if "width" not in samples["features"] else samples["features"]}
     if samples["features"] != list(FEATURES):
         raise SystemExit(f"samples of features {samples['features']}, this simulator's are {list(FEATURES)}")
     unknown = set(features) - set(FEATURES)
@@ -77,7 +91,7 @@ def main() -> None:
     real_duration = max(r.finish for r in real if r.finish is not None) - min(r.arrival for r in real)
     cmp["duration"] = {"real_s": real_duration, "sim_s": result.duration_s,
                        "rel_err": (result.duration_s - real_duration) / real_duration}
-    steps = step_errors(cost, val["requests"].get("real_steps"))
+    steps = step_errors(cost, upgrade(val["requests"].get("real_steps") or [], samples["features"], samples["engine"]))
     print(json.dumps({"coef_s": dict(zip(FEATURES, cost.coef)), "fit": cost.fit_stats, "comparison": cmp,
                       "real_steps": steps}, indent=1))
     if args.out:

@@ -12,6 +12,10 @@ The calibration workload covers the feature space in rounds: for each batch size
 decode ladder and each prompt length of a ladder up to twice the prefill budget, that many requests of
 that length, half of them sharing a prefix with an earlier round (hit restores), each generating
 enough tokens for many decode steps. Rounds of more than four full prefill steps are skipped.
+Those rounds are mostly decode steps (on the CPU 16 mixed steps of 709), while a TTFT is made of
+prefill steps, so prefill rounds follow: at every token bucket, prompts filling it alone (the
+one-row program an idle server runs, three times) and two at once (the full-width program), one
+output token each, so they add mixed steps and no decode steps.
 """
 
 from __future__ import annotations
@@ -38,8 +42,9 @@ from jaxserve.sim.trace import load_trace
 class TimedExecutor:
     """Wraps an executor; records (features, seconds) of every fetched step (see module docstring)."""
 
-    def __init__(self, inner, token_buckets, seq_buckets):
-        self.inner, self.token_buckets, self.seq_buckets = inner, token_buckets, seq_buckets
+    def __init__(self, inner, desc: dict[str, Any]):
+        self.inner = inner
+        self._shapes = desc["token_buckets"], desc["seq_buckets"], desc["one_row_programs"]
         self.samples: list[tuple[tuple[float, ...], float]] = []
         self._pending: list[tuple[tuple[float, ...], float]] = []
         self._last_fetch = 0.0
@@ -47,7 +52,7 @@ class TimedExecutor:
     def dispatch(self, plan):
         t = time.perf_counter()
         handle = self.inner.dispatch(plan)
-        self._pending.append((step_features(plan.rows, self.token_buckets, self.seq_buckets), t))
+        self._pending.append((step_features(plan.rows, *self._shapes), t))
         return handle
 
     def fetch(self, handle):
@@ -75,11 +80,14 @@ def engine_description(engine: Engine) -> dict[str, Any]:
             "max_prefill_tokens": s.max_prefill_tokens, "max_running": s.max_running,
             "max_model_len": s.max_pages_per_seq * s.page_size, "hybrid": s.hybrid, "snapshot_interval": s.interval,
             "max_snapshots_per_path": s.cache.max_snapshots_per_path, "overlap": engine.overlap,
-            "token_buckets": list(buckets.tokens), "seq_buckets": list(buckets.seqs)}
+            "token_buckets": list(buckets.tokens), "seq_buckets": list(buckets.seqs),
+            "one_row_programs": buckets.one_row_programs}
 
 
-def calibration_rounds(engine: Engine, seq_buckets, seed: int, output_len: int) -> list[list[list[int]]]:
-    """Rounds of prompts (see the module docstring), within the engine's context and pools."""
+def calibration_rounds(engine: Engine, desc: dict[str, Any], seed: int,
+                       output_len: int) -> list[tuple[list[list[int]], int]]:
+    """Rounds of (prompts, output tokens each) (see the module docstring), within the engine's
+    context and pools; ``desc``: its ``engine_description``."""
     s = engine.scheduler
     rng = random.Random(seed)
     vocab_hi = min(engine.vocab_size - 1, 1000)
@@ -88,7 +96,7 @@ def calibration_rounds(engine: Engine, seq_buckets, seed: int, output_len: int) 
     while n <= min(2 * s.max_prefill_tokens, room):  # past the budget: chunked prefills too
         lengths.append(n)
         n *= 4
-    batches = [b for b in seq_buckets if b <= s.max_running]
+    batches = [b for b in desc["seq_buckets"] if b <= s.max_running]
     shared = [rng.randrange(10, vocab_hi) for _ in range(max(lengths, default=32))]
     rounds = []
     for L in lengths:
@@ -97,7 +105,11 @@ def calibration_rounds(engine: Engine, seq_buckets, seed: int, output_len: int) 
             for i in range(B):
                 own = [rng.randrange(10, vocab_hi) for _ in range(L)]
                 prompts.append(shared[:L // 2] + own[L // 2:] if i % 2 else own)
-            rounds.append(prompts)
+            rounds.append((prompts, output_len))
+    fresh = lambda n: [rng.randrange(10, vocab_hi) for _ in range(n)]  # noqa: E731 - no hits: every token computed
+    for T in desc["token_buckets"]:
+        n = min(T, room)
+        rounds += [([fresh(n)], 1) for _ in range(3)] + ([([fresh(n // 2), fresh(n // 2)], 1)] if n >= 2 else [])
     return rounds
 
 
@@ -108,11 +120,11 @@ def calibrate(engine: Engine, *, seed: int = 0, output_len: int = 64, device: st
     (``write_samples`` / ``benchmarks/sim_refit.py``)."""
     desc = engine_description(engine)
     inner = engine.executor
-    timed = TimedExecutor(inner, desc["token_buckets"], desc["seq_buckets"])
+    timed = TimedExecutor(inner, desc)
     engine.executor = timed
     try:
-        for prompts in calibration_rounds(engine, desc["seq_buckets"], seed, output_len):
-            engine.generate(prompts, SamplingParams(max_tokens=output_len, ignore_eos=True))
+        for prompts, max_tokens in calibration_rounds(engine, desc, seed, output_len):
+            engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     finally:
         engine.executor = inner
     engine.scheduler.cache.flush()
@@ -166,7 +178,7 @@ def validate(engine: Engine, records, cost: CostModel, policy: str = "fcfs",
     engine.scheduler.cache.flush()
     desc = engine_description(engine)
     inner = engine.executor
-    timed = TimedExecutor(inner, desc["token_buckets"], desc["seq_buckets"])
+    timed = TimedExecutor(inner, desc)
     engine.executor = timed
     t0 = time.perf_counter()
     now = lambda: time.perf_counter() - t0  # noqa: E731

@@ -11,6 +11,10 @@ Features of a planned step (``step_features``), all host-visible:
                padding; without it a fit charged prefill work to the snapshot count, which grows
                with the tokens too, and the GPU validation missed TTFT by 20 %)
   rows         sequences in the step (per-row work: sampling, state reads and writes)
+  width        the rows a mixed step's program computes, padding included: 1 for a step of one row
+               where the engine has one-row programs (``runner.Buckets.row_sizes``), else its
+               token bucket's full width min(T, max seqs); 0 in a decode step (``tokens`` is its B).
+               (each padding row reads and writes a linear state per layer and widens the chunk grid)
   mixed        1 for a step with a prefill chunk: mixed and decode steps run different programs
                (chunked linear attention, snapshot entries)
   chunked      rows of more than one token (prefill chunks: each its share of the linear-attention
@@ -35,8 +39,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-FEATURES = ("const", "tokens", "new_tokens", "rows", "mixed", "chunked", "attention", "context", "snapshots")
-VERSION = 3
+FEATURES = ("const", "tokens", "new_tokens", "rows", "width", "mixed", "chunked", "attention", "context", "snapshots")
+VERSION = 4
 COSTS_DIR = Path(__file__).resolve().parent / "costs"
 
 
@@ -51,9 +55,11 @@ def _bucket(n: int, sizes: Sequence[int]) -> int:
     return sizes[i] if i < len(sizes) else n
 
 
-def step_features(rows, token_buckets: Sequence[int] = (), seq_buckets: Sequence[int] = ()) -> tuple[float, ...]:
+def step_features(rows, token_buckets: Sequence[int] = (), seq_buckets: Sequence[int] = (),
+                  one_row_programs: bool = False) -> tuple[float, ...]:
     """The ``FEATURES`` of a step given its rows (``scheduler.Row``: ``tokens``, ``start``,
-    ``restore_src``, ``snapshots``), in ``FEATURES`` order."""
+    ``restore_src``, ``snapshots``), in ``FEATURES`` order; the buckets and ``one_row_programs``
+    are the engine's (``runner.Buckets``)."""
     n_tok, chunked, attention, context, snaps = 0, 0, 0, 0, 0
     decode = True
     for row in rows:
@@ -66,8 +72,14 @@ def step_features(rows, token_buckets: Sequence[int] = (), seq_buckets: Sequence
         context += end
         snaps += len(row.snapshots) + (1 if row.restore_src else 0)
     padded = _bucket(len(rows), seq_buckets) if decode else _bucket(n_tok, token_buckets)
-    return (1.0, float(padded), 0.0 if decode else float(n_tok), float(len(rows)), float(not decode), float(chunked),
-            attention / 1e6, context / 1e3, float(snaps))
+    if decode:
+        width = 0
+    elif one_row_programs and len(rows) == 1:
+        width = 1
+    else:
+        width = min(padded, seq_buckets[-1]) if seq_buckets else len(rows)
+    return (1.0, float(padded), 0.0 if decode else float(n_tok), float(len(rows)), float(width), float(not decode),
+            float(chunked), attention / 1e6, context / 1e3, float(snaps))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,8 +104,12 @@ class CostModel:
     def predict(self, features: Sequence[float]) -> float:
         return float(sum(c * x for c, x in zip(self.coef, features)))
 
+    @property
+    def one_row_programs(self) -> bool:
+        return bool(self.engine.get("one_row_programs", False))
+
     def step_time(self, rows) -> float:
-        return self.predict(step_features(rows, self.token_buckets, self.seq_buckets))
+        return self.predict(step_features(rows, self.token_buckets, self.seq_buckets, self.one_row_programs))
 
     def to_json(self) -> dict[str, Any]:
         return {"version": VERSION, "device": self.device, "features": list(FEATURES),

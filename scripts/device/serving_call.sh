@@ -21,6 +21,8 @@
 #            shared-prompts trace of $SIM_N requests at $SIM_RATE a second through the engine and the simulator, one
 #            engine build), engine flags in $SIM_ARGS; results $OUT/sim-validation.json (cost model, requests, the
 #            real run's steps), $OUT/sim-samples.json (the calibration's steps); give it CALL_LIMIT >= 450 on a cold machine
+#   load     the checkpoint's load time, weights.load_model against the host layout it replaced
+#            (benchmarks/load_time.py; $OUT/load.json)
 #   e2e      jaxserve serve + jaxserve bench rows (benchmarks/e2e.py), serve flags in $SERVE_ARGS
 # Needs the HTTP wheels for e2e: ../shared/tools/device-wheels.sh httpx httpcore h11 certifi idna; carry .whl.
 #   PARTS=moe,decode bash scripts/device/serving_call.sh
@@ -53,7 +55,8 @@ if [[ $parts == *,hammer,* ]]; then
     --out "$OUT/hammer.json" --rounds 2 --time-budget $(( ${HAMMER_TIMEOUT:-200} - 70 )) "${hp[@]}" \
     --kernels "$HAMMER_KERNELS" > "$OUT/hammer.log" 2>&1 &
 fi
-if [[ $parts == *,decode,* || $parts == *,e2e,* || $parts == *,sim,* ]] && [ ! -f runs/e2e-ck/model.safetensors ]; then
+if [[ $parts == *,decode,* || $parts == *,e2e,* || $parts == *,sim,* || $parts == *,load,* ]] \
+    && [ ! -f runs/e2e-ck/model.safetensors ]; then
   t0=$(date +%s)
   python3 -m weights.random_checkpoint --config benchmarks/configs/qwen3_5_moe-6b.json --out runs/e2e-ck
   echo "checkpoint written in $(( $(date +%s) - t0 ))s"
@@ -94,6 +97,10 @@ if [[ $parts == *,memory,* ]]; then
       > "$OUT/memory-$k.log" 2>&1 &
   done
   wait; for k in auto jnp; do echo "== decode memory, kernels $k"; grep "^\[" "$OUT/memory-$k.log"; done
+fi
+if [[ $parts == *,load,* ]]; then
+  timeout ${LOAD_TIMEOUT:-200} python3 benchmarks/load_time.py --ckpt runs/e2e-ck --out "$OUT/load.json" > "$OUT/load.log" 2>&1
+  echo "load rc=$?"; tail -3 "$OUT/load.log"
 fi
 if [[ $parts == *,decode,* ]]; then
   timeout ${DECODE_TIMEOUT:-$(( $(left) - ${E2E_RESERVE:-0} ))} python3 benchmarks/decode_profile.py --batches "${BATCHES-1,32}" \

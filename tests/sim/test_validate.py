@@ -21,6 +21,9 @@ def test_simulator_predicts_the_real_engine_on_cpu():
     samples: list = []
     cost = calibrate(engine, output_len=24, samples=samples)
     assert cost.fit_stats["steps"] == len(samples) >= 40 and cost.fit_stats["total_time_rel_err"] < 0.1
+    # the prefill rounds: mixed steps of the one-row program and of the full-width one
+    widths = {f[FEATURES.index("width")] for f, _ in samples if f[FEATURES.index("mixed")]}
+    assert 1.0 in widths and max(widths) == 2.0, widths
     records = workload.shared_prompts(10, rate=4.0, groups=2, group_len=64, input_len=24, output_len=8,
                                       range_ratio=0.0, seed=1)
     details: dict = {}
