@@ -202,7 +202,8 @@ def main() -> None:
         proc, again = start_server(args.ckpt, args.port, args.serve_args, work / "server-restart.log")
         stop(proc)
         text = (work / "server-restart.log").read_text()
-        again["log"] = [line for line in text.splitlines() if "compil" in line or "ready" in line][-8:]
+        again["log"] = [line for line in text.splitlines()
+                        if "compil" in line or "ready" in line or "weights loaded" in line][-9:]
         result["restart"] = again
         log(f"restart: {json.dumps(again)}")
         args.out.write_text(json.dumps(result, indent=1))

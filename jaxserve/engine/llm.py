@@ -224,9 +224,22 @@ def _load_in_background(args: EngineArgs, tp: TensorParallel | None):
     if cfg.vision is not None:
         return None
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-load")
-    load = pool.submit(load_model, args.model, dtype=args.dtype, progress=args.progress, stacked=args.scan_layers)
+    load = pool.submit(_timed_load, args, None)
     pool.shutdown(wait=False)
     return dataclasses.replace(cfg, kernels=args.kernels), load
+
+
+def _timed_load(args: EngineArgs, tp: TensorParallel | None):
+    """``load_model`` with the engine's settings, its time logged once the arrays are on the device
+    (a start-up's phases are then told apart: the load, the compiles, the warm-up)."""
+    t0 = time.perf_counter()
+    model = load_model(args.model, dtype=args.dtype, progress=args.progress, tensor_parallel=tp,
+                       stacked=args.scan_layers)
+    jax.block_until_ready(model.params)
+    size = sum(x.nbytes for x in jax.tree.leaves(model.params))
+    seconds = time.perf_counter() - t0
+    _log(args, f"weights loaded in {seconds:.1f}s ({size / 1e9:.2f} GB, {size / 1e9 / max(seconds, 1e-9):.2f} GB/s)")
+    return model
 
 
 def build_engine(args: EngineArgs) -> Engine:
@@ -242,8 +255,7 @@ def build_engine(args: EngineArgs) -> Engine:
     dtype = jnp.dtype(args.dtype)
     loading = _load_in_background(args, tp)
     if loading is None:
-        model = load_model(args.model, dtype=args.dtype, progress=args.progress, tensor_parallel=tp,
-                           stacked=args.scan_layers)
+        model = _timed_load(args, tp)
         cfg, params = dataclasses.replace(model.config, kernels=args.kernels if tp is None else model.config.kernels), model.params
         loaded = lambda: params  # noqa: E731
     else:  # compile against the weights' shapes while the weights load

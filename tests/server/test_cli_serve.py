@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import re
 import signal
 import socket
 import subprocess
@@ -67,6 +68,7 @@ def test_serve_default_model_streams_chat(served):
     assert "serve config:" in startup and "served_model_name=tiny-default" in startup
     assert f"compiling {PROGRAMS} step programs" in startup and f"compiled {PROGRAMS} step programs in" in startup
     assert startup.index("compiled in") < startup.index("Uvicorn running on")  # ready only after the compile
+    assert re.search(r"weights loaded in [\d.]+s \([\d.]+ GB, [\d.]+ GB/s\)", startup)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
     assert [m.id for m in client.models.list().data] == ["tiny-default"]
     stream = client.chat.completions.create(model="tiny-default", messages=[{"role": "user", "content": "Hi!"}],
