@@ -89,10 +89,11 @@ def _load(ref, block_c, vec=2):
 
 
 def _dot(window, weight_rows, bias):
-    """``bias + Σ_j weight_rows[j] * window[j]`` over a tuple of K [block_c] fp32 vectors."""
+    """``bias + Σ_j weight_rows[j] * window[j]`` over a tuple of K [block_c] fp32 vectors (no
+    bias: None)."""
     acc = bias
     for w, v in zip(weight_rows, window):
-        acc = acc + w * v
+        acc = w * v if acc is None else acc + w * v
     return acc
 
 
@@ -209,17 +210,21 @@ def causal_conv1d_prefill_pallas(x, weight, bias=None, *, cu_seqlens, initial_st
     return y, final, snaps
 
 
-def _update_kernel(x_ref, state_ref, w_ref, b_ref, y_ref, new_ref, *, block_c, activation):
-    """128 channels at a time, one per thread: the state columns are strided (K-1) vectors, which
-    Mosaic GPU loads and stores one element per thread."""
+def _update_kernel(x_ref, state_ref, w_ref, *refs, block_c, activation, has_bias):
+    """128 channels at a time, one per thread: the state columns and the weight's rows are strided
+    (K-1) / K vectors, which Mosaic GPU loads one element per thread. The state and the weight are
+    read in their own dtypes (the pool's and the checkpoint's) and computed in fp32, so no XLA
+    kernel converts or transposes them first (a decode step ran those per GDN layer)."""
+    b_ref, y_ref, new_ref = refs if has_bias else (None, *refs)
     b = lax.axis_index("b")
-    K = w_ref.shape[0]
+    K = w_ref.shape[1]
     load = functools.partial(_load, block_c=128, vec=1)
     for part in range(block_c // 128):
         cols = pl.ds(lax.axis_index("c") * block_c + part * 128, 128)
         window = (*(load(state_ref.at[b, cols, m]) for m in range(K - 1)), load(x_ref.at[b, cols]))
-        y = _act(activation)(_dot(window, tuple(load(w_ref.at[j, cols]) for j in range(K)), load(b_ref.at[cols])))
-        y_ref[b, cols] = y.astype(y_ref.dtype)
+        weights = tuple(load(w_ref.at[cols, j]) for j in range(K))
+        y = _dot(window, weights, load(b_ref.at[cols]) if has_bias else None)
+        y_ref[b, cols] = _act(activation)(y).astype(y_ref.dtype)
         for m in range(K - 1):
             new_ref[b, cols, m] = window[m + 1]
 
@@ -227,8 +232,9 @@ def _update_kernel(x_ref, state_ref, w_ref, b_ref, y_ref, new_ref, *, block_c, a
 @functools.partial(jax.jit, static_argnames=("activation", "block_c", "interpret"))
 def causal_conv1d_update_pallas(x, state, weight, bias=None, activation="silu", *, block_c=None, interpret=False):
     """``conv1d_reference.causal_conv1d_update`` by the Mosaic GPU kernel: x ``[B, C]``, state
-    ``[B, C, K-1]`` -> (y ``[B, C]`` in x.dtype, new state fp32). ``block_c`` channels per
-    program (a multiple of 128 dividing C; default the largest of 512, 256, 128 that does)."""
+    ``[B, C, K-1]`` (any float dtype), weight ``[C, K]`` -> (y ``[B, C]`` in x.dtype, new state fp32).
+    ``block_c`` channels per program (a multiple of 128 dividing C; default the largest of 512,
+    256, 128 that does)."""
     B, C = x.shape
     K = weight.shape[-1]
     block_c = block_c or next(bc for bc in (512, 256, 128) if C % bc == 0 or bc == 128)
@@ -237,9 +243,8 @@ def causal_conv1d_update_pallas(x, state, weight, bias=None, activation="silu", 
     if not supports(C, K) or C % block_c or block_c % 128:
         raise ValueError(f"conv1d kernel: C={C} (block_c={block_c}), K={K} not supported")
     f32 = jnp.float32
-    bias = jnp.zeros((C,), f32) if bias is None else bias.astype(f32)
     kernel = plgpu.kernel(
-        functools.partial(_update_kernel, block_c=block_c, activation=activation),
+        functools.partial(_update_kernel, block_c=block_c, activation=activation, has_bias=bias is not None),
         kernel_name="conv1d_update",
         out_type=(jax.ShapeDtypeStruct((B, C), x.dtype), jax.ShapeDtypeStruct((B, C, K - 1), f32)),
         grid=(B, C // block_c),
@@ -247,7 +252,7 @@ def causal_conv1d_update_pallas(x, state, weight, bias=None, activation="silu", 
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )
-    return kernel(x, state.astype(f32), weight.astype(f32).T, bias)
+    return kernel(x, state, weight, *(() if bias is None else (bias,)))
 
 
 def main():

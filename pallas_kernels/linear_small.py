@@ -24,16 +24,19 @@ weights it multiplies):
   dtype (the MoE small path's store): no kernel after it. Each split costs that epilogue (a small
   kernel a projection); a deeper SMEM ring (``stages``) is the other way to keep a short grid's SMs
   pulling bytes, and the benchmark times both.
-* a stack of layers ``w [L, K, N]`` and the layer's index (the decoder's scan): the tile table
-  names row ``layer * S + s`` of the stack viewed as ``[L S, K / S, N]``, so the kernel reads the
-  layer's weights in place, where a row of the stack passed as an operand would be copied out
-  every step.
+* a stack of layers ``w [L, K, N]`` and the layer's index (the decoder's scan): row tile ``s``
+  multiplies row ``layer * S + s`` of the stack viewed as ``[L S, K / S, N]``, so the kernel reads
+  the layer's weights in place, where a row of the stack passed as an operand would be copied out
+  every step. The kernel computes the row from its tile index and ``layer`` (no tile table: one
+  computed from the traced index was one more XLA kernel a projection, and a constant one XLA
+  rewrites as an iota kernel).
 
 Contract: ``x [M, K]`` with ``M <= MAX_ROWS``, ``w`` in x's dtype (bf16 / fp16 on the GPU; fp32 in
 interpret mode only, as ``moe.py``), ``N`` a multiple of 64 and ``K`` one of 64 bf16 (``fits``).
-Status: interpret-mode tested (tests/pallas_kernels/test_linear_small.py); GPU check pending
-(``benchmarks/gpu_check.py --suites linear``), so ``linear_small`` is not in
-``jaxserve.models.backends.AUTO_ON_GPU``.
+Status: interpret-mode tested (tests/pallas_kernels/test_linear_small.py); checked on the H100
+(``benchmarks/gpu_check.py --suites linear``) with a tile table, so in
+``jaxserve.models.backends.AUTO_ON_GPU``. The table-free tiles ran in the engine's decode on the
+H100 (benchmarks/RESULTS.md); their run of the suite is pending.
 """
 
 from __future__ import annotations
@@ -95,18 +98,17 @@ def linear_small(x: jax.Array, w: jax.Array, layer: jax.Array | None = None, *, 
         raise ValueError(f"linear_small: {S} splits of K={K}")
     R = block_rows(M)
     Mp = -(-M // R) * R
-    per = Mp // R  # row tiles of one split
     stack = w.reshape(-1, K // S, N)  # [L * S, K / S, N]: free
-    first = jnp.int32(0) if layer is None else jnp.asarray(layer, jnp.int32) * S
-    tiles = jnp.concatenate([first + jnp.repeat(jnp.arange(S, dtype=jnp.int32), per),
-                             jnp.array([S * per], jnp.int32)])
+    # row tile t is split t // per: "expert" t // per of the layer's S, row layer * S + t // per of
+    # the stack, which the kernel computes (no tile table, no XLA op on the layer index)
+    kw = dict(block_rows=R, stages=stages, name="linear_small", interpret=interpret,
+              tiles_per_expert=Mp // R, tile_base=layer, base_scale=S)
     xp = x if Mp == M else jnp.pad(x, ((0, Mp - M), (0, 0)))
-    kw = dict(block_rows=R, stages=stages, name="linear_small", interpret=interpret)
     if S == 1:  # the [Mp, N] result in row order and x's dtype, as the MoE small path stores it: no epilogue
-        y = grouped_gemm_small(xp, stack, tiles, **kw)
+        y = grouped_gemm_small(xp, stack, None, **kw)
         return y if Mp == M else y[:M]
     xs = xp.reshape(Mp, S, K // S).transpose(1, 0, 2).reshape(S * Mp, K // S)  # split s: rows [s Mp, (s+1) Mp)
     # fp32 [N, S * Mp]: each program's [64, R] accumulator stored as it is; the splits' sum and the
     # transpose are one small XLA fusion (N * S * Mp * 4 bytes: ~3% of the weight's at K = 2048, M = 8)
-    y_t = grouped_gemm_small(xs, stack, tiles, transposed_out=True, out_dtype=jnp.float32, **kw)
+    y_t = grouped_gemm_small(xs, stack, None, transposed_out=True, out_dtype=jnp.float32, **kw)
     return y_t.reshape(N, S, Mp).sum(axis=1)[:, :M].T.astype(x.dtype)

@@ -47,6 +47,10 @@ Swap-AB makes the WEIGHTS the WGMMA M operand and the tokens its N operand:
   per expert, ``2 n k / E``: 8 up to ``4 E`` routed rows (1 to 32 tokens of the 64-expert top-8
   layer), 16 up to ``8 E`` (64 tokens), 32 above), the per-tile expert ids and used tile count as
   above; a program past the used count returns at once (reads nothing).
+  Up to ``PAIR_TILE_MAX_ROWS`` routed rows (two tokens of top-8) no sort at all: a tile per (token,
+  slot) pair, its first row the token (``pair_tiles``), the routing's expert ids as the table. One
+  token's pairs name distinct experts, so it reads what the sorted layout reads; the sort it skips
+  was ~10 XLA kernels per layer of a batch-1 decode step, more time than the layer's expert bytes.
 * Program (column tile j, row tile i), grid (N / 64, num_tiles), column tiles fastest:
   ``acc[64, R] = w[e][:, 64j : 64j+64]^T @ x[rows(i)]^T`` in fp32. A = the weight tile ``[block_k,
   64]`` as TMA brings it (128-byte swizzle over its 64 columns), used through a transposed view
@@ -421,12 +425,20 @@ def small_supports(hidden: int, intermediate: int, dtype) -> bool:
     return bool(small_blocks(hidden, intermediate, dtype) and small_blocks(intermediate, hidden, dtype))
 
 
-def _kernel_small(tiles_ref, x_ref, w_ref, *refs, block_rows, block_k, stages, fused, scaled, transposed_out):
+def _kernel_small(*refs, block_rows, block_k, stages, fused, scaled, transposed_out, table, counted, based,
+                  tiles_per_expert, base_scale):
     """One (column tile j, row tile i) of the swap-AB GEMM: ``acc[64, R] = w[e][:, cols(j)]^T @
     x[rows(i)]^T`` (the weight tile is WGMMA's A operand, MN-major; the row tile its B, K-major)
     and the epilogue; written as the ``[R, 64]`` tile of ``o [rows, N]`` through a transposed
     view of the SMEM output tile (``transposed_out``: as the ``[64, R]`` tile of ``o [N, rows]``).
-    Nothing when row tile i is past the used count."""
+
+    ``e`` = ``tiles[i]`` (``table``; else ``i // tiles_per_expert``) plus ``base_scale * base[0]``
+    (``based``). Nothing when row tile i is past the used count (``counted``: the table's last
+    entry; else every tile is used)."""
+    refs = list(refs)
+    tiles_ref = refs.pop(0) if table else None
+    base_ref = refs.pop(0) if based else None
+    x_ref, w_ref, *refs = refs
     if scaled:
         rw_ref, o_ref, x_smem, w_smem, o_smem, rw_smem, bars = refs
     else:
@@ -441,9 +453,11 @@ def _kernel_small(tiles_ref, x_ref, w_ref, *refs, block_rows, block_k, stages, f
     per_slot = 1 + nops
     rows = pl.ds(i * br, br)
 
-    @pl.when(i < tiles_ref[tiles_ref.shape[0] - 1])
+    @pl.when(i < tiles_ref[tiles_ref.shape[0] - 1] if counted else True)
     def _():
-        e = tiles_ref[i]
+        e = tiles_ref[i] if table else i // tiles_per_expert
+        if based:
+            e = e + base_ref[0] * base_scale
         if scaled:
             rw_bar = bars.at[stages * per_slot]
             plgpu.copy_gmem_to_smem(rw_ref.at[i], rw_smem, rw_bar)  # [max(R, 32)]: R weights, then 0s
@@ -507,10 +521,20 @@ def small_smem_bytes(block_rows: int, block_k: int, stages: int, fused: bool, it
 
 
 def grouped_gemm_small(xp, w, tiles, row_weights=None, *, block_rows, fused=False, block_k=None, stages=4,
-                       transposed_out=False, out_dtype=None, name="moe_small", interpret=False):
+                       transposed_out=False, out_dtype=None, tile_count=True, tiles_per_expert=1, tile_base=None,
+                       base_scale=1, name="moe_small", interpret=False):
     """The swap-AB kernel on the padded layout of ``block_rows``-row tiles: ``xp [num_tiles * R,
     K]`` (tile ``t`` of rows times expert ``tiles[t]``'s weights, for ``t < tiles[-1]``), ``w [E,
     K, N]``.
+
+    Other tile tables, each sparing the XLA kernel that would compute one (a decode step runs this
+    kernel ~150 times, and at batch 1 the small kernels around it cost more than its bytes):
+    ``tile_count=False``: ``tiles [num_tiles]`` without the count, every tile used (the MoE pair
+    tiles: the routing's expert ids as they are); ``tiles=None``: tile ``t`` multiplies expert
+    ``t // tiles_per_expert``, every tile used (``linear_small``'s K splits). ``tile_base`` (traced
+    int32 scalar) and ``base_scale`` (static): the expert is ``base_scale * tile_base`` further on,
+    the kernel adding it as it reads the table (a layer's rows of a stacked weight, the decoder's
+    scan).
 
     Returns ``[num_tiles * R, N]`` in ``xp.dtype`` (``fused``: ``[.., N / 2]``, ``silu(x w[:, :N/2])
     * (x w[:, N/2:])``), as ``grouped_gemm_padded``; rows of unused tiles are left unwritten.
@@ -524,10 +548,12 @@ def grouped_gemm_small(xp, w, tiles, row_weights=None, *, block_rows, fused=Fals
     Mp, K = xp.shape
     E, K2, Nw = w.shape
     R = block_rows
-    if (K2 != K or xp.dtype != w.dtype or R % 8 or R > 64 or Mp % R or tiles.shape != (Mp // R + 1,)
+    table = tiles is not None
+    want = (Mp // R + tile_count,) if table else None
+    if (K2 != K or xp.dtype != w.dtype or R % 8 or R > 64 or Mp % R or (table and tiles.shape != want)
             or (fused and Nw % 2)):
-        raise ValueError(f"moe small GEMM: x {xp.shape} {xp.dtype}, w {w.shape} {w.dtype}, tiles {tiles.shape}, "
-                         f"block_rows {R}")
+        raise ValueError(f"moe small GEMM: x {xp.shape} {xp.dtype}, w {w.shape} {w.dtype}, tiles "
+                         f"{None if tiles is None else tiles.shape}, block_rows {R}")
     N = Nw // 2 if fused else Nw
     out_dtype = jnp.dtype(out_dtype or xp.dtype)
     block_k = block_k or small_blocks(K, N, xp.dtype)
@@ -550,7 +576,9 @@ def grouped_gemm_small(xp, w, tiles, row_weights=None, *, block_rows, fused=Fals
     ]
     kernel = plgpu.kernel(
         functools.partial(_kernel_small, block_rows=R, block_k=block_k, stages=stages, fused=fused,
-                          scaled=row_weights is not None, transposed_out=transposed_out),
+                          scaled=row_weights is not None, transposed_out=transposed_out, table=table,
+                          counted=table and tile_count, based=tile_base is not None,
+                          tiles_per_expert=tiles_per_expert, base_scale=base_scale),
         kernel_name=name,
         out_type=jax.ShapeDtypeStruct((N, Mp) if transposed_out else (Mp, N), out_dtype),
         grid=(N // BLOCK_W, Mp // R),
@@ -561,8 +589,8 @@ def grouped_gemm_small(xp, w, tiles, row_weights=None, *, block_rows, fused=Fals
     )
     if row_weights is not None:
         row_weights = jnp.pad(row_weights.astype(jnp.float32).reshape(Mp // R, R), ((0, 0), (0, rw_len - R)))
-    args = (tiles, xp, w) + (() if row_weights is None else (row_weights,))
-    return kernel(*args)
+    args = ((tiles,) if table else ()) + (() if tile_base is None else (jnp.asarray(tile_base, jnp.int32).reshape(1),))
+    return kernel(*args, xp, w, *(() if row_weights is None else (row_weights,)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -591,10 +619,34 @@ def moe_experts_gather(xt, top_w, top_i, gate_up, down):
     return (y * top_w.astype(f32)[..., None]).astype(xt.dtype).astype(f32).sum(axis=1)
 
 
+PAIR_TILE_MAX_ROWS = 16  # the small path's pair tiles up to this many routed rows (2 tokens of top-8)
+
+
+def pair_tiles(top_i: jax.Array, top_w: jax.Array, xt: jax.Array, block_rows: int):
+    """The small path's layout for a few routed rows: one ``block_rows``-row tile per (token, slot)
+    pair, its first row the token, the rest zero; the tile table is the routing's expert ids as
+    they are (``tile_count=False``). Returns (tiles [M], xp [M R, H], row weights [M R] fp32).
+
+    Reads: pair ``t * k + s`` reads its expert's weights once, repeats included, where the sorted
+    layout reads each distinct expert once: the same at one token (a token's top-k are distinct),
+    at most 1 / k more at two. What it saves is the sort: no group sizes, ranks, scatters or
+    gathers (at batch 1 those were ten small XLA kernels of every MoE layer's decode step, more time
+    than the layer's weights took to stream)."""
+    n, k = top_i.shape
+    M, R = n * k, block_rows
+    tiles = top_i.reshape(-1).astype(jnp.int32)
+    row = jnp.arange(M * R, dtype=jnp.int32)
+    first = (row % R == 0)
+    xp = jnp.where(first[:, None], xt[row // (R * k)], jnp.zeros((), xt.dtype))
+    row_w = jnp.where(first, top_w.reshape(-1).astype(jnp.float32)[row // R], 0.0)
+    return tiles, xp, row_w
+
+
 @functools.partial(jax.jit, static_argnames=("num_experts", "gather_below", "small_max_rows", "block_rows",
-                                             "small_transposed_out", "stages", "interpret"))
-def moe_experts(xt, top_w, top_i, gate_up, down, *, num_experts=None, expert_offset=None, gather_below=None,
-                small_max_rows=None, block_rows=None, small_transposed_out=False, stages=4, interpret=False):
+                                             "small_transposed_out", "stages", "pair_max_rows", "interpret"))
+def moe_experts(xt, top_w, top_i, gate_up, down, *, num_experts=None, stack_row=None, gather_below=None,
+                small_max_rows=None, block_rows=None, small_transposed_out=False, stages=4,
+                pair_max_rows=PAIR_TILE_MAX_ROWS, interpret=False):
     """The routed experts of ``layers.moe`` (everything but the router and the shared expert).
 
     ``xt [n, H]``; ``top_w [n, k]`` routing weights (used in fp32); ``top_i [n, k]`` expert ids;
@@ -605,7 +657,8 @@ def moe_experts(xt, top_w, top_i, gate_up, down, *, num_experts=None, expert_off
     row by its routing weight), and sum each token's ``k`` rows in fp32 (a gather: every pair
     knows its padded row). With at most ``small_max_rows`` routed rows (``n * k``; 0 turns it
     off; None: ``SMALL_MAX_ROWS`` where ``SMALL_PATH_ON``, else 0) and a shape it tiles (``small_supports``), the kernels are the swap-AB small path
-    (``grouped_gemm_small``, ``block_rows``-row tiles, default ``small_block_rows``); else the
+    (``grouped_gemm_small``, ``block_rows``-row tiles, default ``small_block_rows``), on pair
+    tiles (``pair_tiles``, no sort) up to ``pair_max_rows`` routed rows; else the
     64-row grouped kernel (``grouped_gemm_padded``). With fewer than ``gather_below`` routed rows
     the gather path (``moe_experts_gather``) instead; by default only where the small path does
     not apply and ``n * k < E``. ``small_transposed_out``: the small kernels store their tiles
@@ -614,36 +667,48 @@ def moe_experts(xt, top_w, top_i, gate_up, down, *, num_experts=None, expert_off
     Mosaic GPU's interpreter (CPU tests).
 
     A stack of layers' experts: ``gate_up [G * E, H, 2I]``, ``down [G * E, I, H]`` with
-    ``num_experts`` = E (static) and ``expert_offset`` (traced int32: the layer's first row, ``g *
-    E``); ``top_i`` stays in ``[0, E)``. The kernels then read the layer's experts in place, where a
-    slice of the stack passed as an operand would be a copy of the layer's experts every call (the
-    decoder's scan over stacked layers, ``jaxserve.models.decoder``).
+    ``num_experts`` = E (static) and ``stack_row`` (traced int32: the layer's row ``g`` of the
+    stack, its experts ``g E .. g E + E - 1``); ``top_i`` stays in ``[0, E)``. The kernels then read
+    the layer's experts in place, where a slice of the stack passed as an operand would be a copy
+    of the layer's experts every call (the decoder's scan over stacked layers,
+    ``jaxserve.models.decoder``); the small kernels add the offset as they read their tile table.
     """
     n, H = xt.shape
     k = top_i.shape[1]
     E = num_experts or gate_up.shape[0]
-    offset = jnp.int32(0) if expert_offset is None else jnp.asarray(expert_offset, jnp.int32)
+    row = jnp.int32(0) if stack_row is None else jnp.asarray(stack_row, jnp.int32)
     M = n * k
     if small_max_rows is None:
         small_max_rows = SMALL_MAX_ROWS if SMALL_PATH_ON else 0
     small = M <= small_max_rows and small_supports(H, gate_up.shape[2] // 2, xt.dtype)
     if M < (gather_below if gather_below is not None else 0 if small else E):
-        return moe_experts_gather(xt, top_w, top_i + offset, gate_up, down)
+        return moe_experts_gather(xt, top_w, top_i + row * E, gate_up, down)
+    base = dict(tile_base=row, base_scale=E)
+    if small and M <= pair_max_rows and not small_transposed_out:
+        R = block_rows or SMALL_BLOCK_ROWS[0]
+        tiles, xp, row_w = pair_tiles(top_i, top_w, xt, R)
+        kw = dict(block_rows=R, stages=stages, tile_count=False, interpret=interpret, **base)
+        h = grouped_gemm_small(xp, gate_up, tiles, fused=True, **kw)
+        y = grouped_gemm_small(h, down, tiles, row_w, **kw)
+        return y.reshape(n, k, R, H)[:, :, 0].astype(jnp.float32).sum(axis=1)
     R = (block_rows or small_block_rows(M, E)) if small else BLOCK_M
     lay, pos = pair_layout(top_i.reshape(-1).astype(jnp.int32), E, R)  # pos: the padded row of pair t*k+s
-    if expert_offset is not None:  # each tile's expert as a row of the stack; the used count stays last
-        lay = lay._replace(tiles=lay.tiles.at[:-1].add(offset))
     src = jnp.full((lay.num_rows,), n, jnp.int32).at[pos].set(jnp.arange(M, dtype=jnp.int32) // k,
                                                               unique_indices=True)
     xp = jnp.concatenate([xt, jnp.zeros((1, H), xt.dtype)])[src]  # padding rows: the zero row
     row_w = jnp.zeros((lay.num_rows,), jnp.float32).at[pos].set(top_w.reshape(-1).astype(jnp.float32),
                                                                 unique_indices=True)
     if small and small_transposed_out:  # [I, rows] and [H, rows]: XLA transposes h, the un-sort reads y's columns
-        kw = dict(block_rows=R, transposed_out=True, stages=stages, interpret=interpret)
+        kw = dict(block_rows=R, transposed_out=True, stages=stages, interpret=interpret, **base)
         h_t = grouped_gemm_small(xp, gate_up, lay.tiles, fused=True, **kw)
         y_t = grouped_gemm_small(h_t.T, down, lay.tiles, row_w, **kw)
         return jnp.take(y_t, pos.reshape(n, k), axis=1).astype(jnp.float32).sum(axis=2).T
-    gemm = (functools.partial(grouped_gemm_small, block_rows=R) if small else grouped_gemm_padded)
-    h = gemm(xp, gate_up, lay.tiles, fused=True, stages=stages, interpret=interpret)
-    y = gemm(h, down, lay.tiles, row_w, stages=stages, interpret=interpret)
+    if small:
+        gemm = functools.partial(grouped_gemm_small, block_rows=R, **base)
+        tiles = lay.tiles
+    else:  # each tile's expert as a row of the stack; the used count stays last
+        gemm = grouped_gemm_padded
+        tiles = lay.tiles if stack_row is None else lay.tiles.at[:-1].add(row * E)
+    h = gemm(xp, gate_up, tiles, fused=True, stages=stages, interpret=interpret)
+    y = gemm(h, down, tiles, row_w, stages=stages, interpret=interpret)
     return y[pos.reshape(n, k)].astype(jnp.float32).sum(axis=1)

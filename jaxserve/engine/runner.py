@@ -114,15 +114,18 @@ class Buckets:
       decoding row crosses one every 64 tokens, so with rows out of phase B // 16 covers all but a
       few per mille of steps (Poisson, mean B / 64) while costing at most 1/16 of a row's state
       traffic per row; lockstep rows (a batch of equal prompts) take the size-B program once
-      every 64 steps. B <= 2 has only size B (one extra entry is cheaper than a program).
+      every 64 steps. B <= 2: 0 or B. An entry is not free where the step is small: per GDN layer
+      it gathers the state before and after the token, selects and scatters (~12 MiB at the
+      real-size model's 2 MiB states, and ~8 small kernels), ~0.3 ms of a 3.4 ms batch-1 step on
+      the H100, which 63 of 64 steps of a lone stream do not need.
 
     Chunk grid: at most ``chunked_rows`` rows of a mixed step hold more than one token (the
     scheduler's cap, checked by ``make_batch``), so the GDN / KDA layers size their chunk grid
     T // 64 + 2·min(chunked_rows, B) instead of T // 64 + 2·B (``ModelConfig.chunked_rows``).
 
-    Programs: 2·|tokens| mixed (|tokens| without ``one_row_programs``) + at most 2·|seqs| decode
-    (``programs()``): 30 for ``max_prefill_tokens=8192, max_seqs=64``, 28 for ``max_seqs=32``
-    (without the one-row programs 21 and 19; one S ladder for every shape gave 85 and 80)."""
+    Programs: 2·|tokens| mixed (|tokens| without ``one_row_programs``) + 2·|seqs| decode
+    (``programs()``): 32 for ``max_prefill_tokens=8192, max_seqs=64``, 30 for ``max_seqs=32``
+    (without the one-row programs 23 and 21; one S ladder for every shape gave 85 and 80)."""
 
     tokens: tuple[int, ...]     # T of mixed / prefill steps; the last is the scheduler's max_prefill_tokens
     seqs: tuple[int, ...]       # B (= T) of decode steps; the last is max_seqs
@@ -165,7 +168,7 @@ class Buckets:
         ``rows_for(T)``) may pad to, ascending; the last always fits every snapshot the scheduler
         can ask of such a step (see the class doc)."""
         if decode:
-            return (num_tokens,) if num_tokens <= 2 else (max(1, num_tokens // 16), num_tokens)
+            return (0, num_tokens) if num_tokens <= 2 else (max(1, num_tokens // 16), num_tokens)
         return (num_tokens // self.snapshot_interval + (self.rows_for(num_tokens) if rows is None else rows),)
 
     @property

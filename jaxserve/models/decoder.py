@@ -279,7 +279,7 @@ def _stacked_layer(period: list, cfg: ModelConfig, groups: LayerGroups, k: int, 
         # The MoE kernel's weight operands are buffers of their own: a row of the stack would be
         # copied out every step. It gets the whole stack ([n * E, ...], a free reshape) and the row.
         stack = period[k]["mlp"]
-        p = {**p, "mlp": {**p["mlp"], "expert_offset": g * cfg.num_experts,
+        p = {**p, "mlp": {**p["mlp"], "stack_row": g,
                           **{w: stack[w].reshape(-1, *stack[w].shape[2:]) for w in ("gate_up", "down")}}}
     kinds = [t == LINEAR_ATTENTION for t in cfg.layer_types[groups.prefix:groups.prefix + groups.period]]
     j = layer_index(cfg)[i] + g * sum(kind == kinds[k] for kind in kinds)

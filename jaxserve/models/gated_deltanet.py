@@ -253,12 +253,26 @@ def _store(pool: jax.Array, layer: int, r: Ragged, final: jax.Array, snaps: jax.
     """Final states into the rows' write slots, snapshots into their destinations; nothing else.
 
     Real rows and snapshots name distinct slots (the host's contract, invariant 2), so the order of
-    the two scatters does not matter. Empty rows (the engine's are a mixed step's padding rows) and
+    the writes does not matter. Empty rows (the engine's are a mixed step's padding rows) and
     padding snapshot entries (destination: the null slot 0, which no real row reads) write nothing:
     those are most of a mixed step's B rows and T // 64 + B entries, each write a whole state (2 MiB
     a GDN layer at 32 heads of 128 x 128). Slot 0 stays a real slot where a caller gives it to a
-    non-empty row (``decoder.forward``'s rows are slots 0 .. B-1)."""
-    pool = _write_slots(pool, layer, r.write_slot, jnp.diff(r.cu_seqlens) > 0, final)
+    non-empty row (``decoder.forward``'s rows are slots 0 .. B-1).
+
+    One row (a one-row program, a decode step of one sequence): its state is written in the
+    snapshots' scatter. Alone it would be a scatter of one entry, which XLA turns into a
+    dynamic-update-slice, whose update and pool must share a layout; the GPU compiler gave the pool
+    the layout of the chunk kernel's transposed states: the real-size qwen3_5_moe's one-row
+    512-token step transposed the whole recurrent pool (3.6 GB) into that layout before its layers
+    and back after, 4.8 of its 24 ms of kernels (H100, 2026-12-07). A scatter keeps the pool's
+    layout and moves the transpose onto the states it writes. With more rows the two scatters stay
+    apart (joining them would copy the snapshots into one update array)."""
+    rows = jnp.diff(r.cu_seqlens) > 0
+    if final.shape[0] == 1:
+        return _write_slots(pool, layer, jnp.concatenate([r.write_slot, r.snap_dst]),
+                            jnp.concatenate([rows, r.snap_dst > 0]),
+                            jnp.concatenate([final, snaps.astype(final.dtype)]))
+    pool = _write_slots(pool, layer, r.write_slot, rows, final)
     return _write_slots(pool, layer, r.snap_dst, r.snap_dst > 0, snaps)
 
 

@@ -389,11 +389,14 @@ def route(p: dict, cfg: ModelConfig, xt: jax.Array) -> tuple[jax.Array, jax.Arra
     logits = xt.astype(jnp.float32) @ p["router"].astype(jnp.float32) if sigmoid else xt @ p["router"]
     logits, gate = logits[:, :e], (logits[:, e:] if cfg.shared_expert_gate else None)
     if not sigmoid:
-        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-        top_w, top_i = jax.lax.top_k(probs, k)
+        # the top-k of softmax(logits) are those of the logits (softmax is monotonic), and renormalised
+        # they are the softmax of the k chosen logits: no softmax over every expert (a decode step's
+        # MoE layer ran two softmax kernels, over E and over k, where this runs one over k)
+        logits = logits.astype(jnp.float32)
+        top_l, top_i = jax.lax.top_k(logits, k)
         if cfg.norm_topk_prob:
-            top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
-        return top_w, top_i, gate
+            return jax.nn.softmax(top_l, axis=-1), top_i, gate
+        return jnp.exp(top_l - jax.nn.logsumexp(logits, axis=-1, keepdims=True)), top_i, gate
     n, G = xt.shape[0], cfg.num_expert_groups
     scores = jax.nn.sigmoid(logits)
     choice = scores + p["router_bias"].astype(jnp.float32)
@@ -425,10 +428,10 @@ def moe(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     if cfg.expert_parallel:
         routed = expert_parallel(xt, top_w.astype(x.dtype), top_i, p["gate_up"], p["down"])
     elif use_moe_kernel(cfg, x.dtype):
-        stacked = "expert_offset" in p  # the decoder's scan: the stack of layers' experts, this layer's rows
+        stacked = "stack_row" in p  # the decoder's scan: the stack of layers' experts, this layer's rows
         routed = moe_kernel.moe_experts(xt, top_w, top_i, p["gate_up"], p["down"],
                                         num_experts=cfg.num_experts if stacked else None,
-                                        expert_offset=p.get("expert_offset"), interpret=backends.interpret(cfg))
+                                        stack_row=p.get("stack_row"), interpret=backends.interpret(cfg))
     else:
         routed = routed_experts_blocked(xt, top_w.astype(x.dtype), top_i, p["gate_up"], p["down"])
 

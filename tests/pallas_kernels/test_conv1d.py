@@ -93,15 +93,22 @@ def test_prefill_plain_no_bias_zero_state_untiled_length():
     np.testing.assert_array_equal(got[1], want[1])
 
 
-@pytest.mark.parametrize("batch,block_c,dtype", [(1, 128, jnp.float32), (3, 256, jnp.bfloat16), (8, None, jnp.float32)])
-def test_update_matches_reference(batch, block_c, dtype):
+@pytest.mark.parametrize("batch,block_c,dtype,stored,bias", [(1, 128, jnp.float32, jnp.float32, True),
+                                                            (3, 256, jnp.bfloat16, jnp.float32, True),
+                                                            (8, None, jnp.float32, jnp.float32, True),
+                                                            (2, None, jnp.bfloat16, jnp.bfloat16, False)])
+def test_update_matches_reference(batch, block_c, dtype, stored, bias):
+    """The update against the reference; ``stored``: the dtype of the state and the weight as the
+    pool and the checkpoint hold them (the kernel reads them as they are); the model's convs have
+    no bias."""
     rng = np.random.default_rng(batch)
     x = jnp.asarray(rng.normal(size=(batch, C)), dtype)
-    state = jnp.asarray(rng.normal(size=(batch, C, K - 1)), jnp.float32)
-    weight = jnp.asarray(rng.normal(size=(C, K)), jnp.float32)
-    bias = jnp.asarray(rng.normal(size=(C,)), jnp.float32)
-    y, new = conv1d.causal_conv1d_update_pallas(x, state, weight, bias, block_c=block_c, interpret=True)
-    y_r, new_r = causal_conv1d_update(x, state, weight, bias)
+    state = jnp.asarray(rng.normal(size=(batch, C, K - 1)), stored)
+    weight = jnp.asarray(rng.normal(size=(C, K)), stored)
+    b = jnp.asarray(rng.normal(size=(C,)), jnp.float32) if bias else None
+    y, new = conv1d.causal_conv1d_update_pallas(x, state, weight, b, block_c=block_c, interpret=True)
+    f32 = jnp.float32
+    y_r, new_r = causal_conv1d_update(x, state.astype(f32), weight.astype(f32), b)
     assert y.dtype == dtype and new.dtype == jnp.float32
     assert_close(np.asarray(y, np.float32), np.asarray(y_r, np.float32), TOL[dtype], "y")
     np.testing.assert_array_equal(new, new_r)
@@ -135,5 +142,9 @@ def test_kernels_lower_for_the_gpu(dtype):
     assert text.count("custom_call @mosaic_gpu") == 1
     update = jax.jit(conv1d.causal_conv1d_update_pallas)
     text = update.trace(f((B, Cm), dtype), f((B, Cm, K - 1), jnp.float32), w, b).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1
+    # as the model calls it: the pool's state and the checkpoint's weight in the model dtype, no bias
+    text = update.trace(f((B, Cm), dtype), f((B, Cm, K - 1), dtype), f((Cm, K), dtype)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 1

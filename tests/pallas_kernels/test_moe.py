@@ -307,10 +307,30 @@ def test_small_path_matches_gather_and_oracle(dtype):
         assert_close(got, moe.moe_experts_gather(*args), TOL[jnp.float32] if dtype == jnp.float32 else 8e-3,
                      what + " vs gather")
         assert_close(got, oracle64(*args), TOL[dtype], what + " vs float64")
+        if n * TOP_K <= moe.PAIR_TILE_MAX_ROWS:  # pair tiles (no sort) against the sorted layout
+            sorted_ = moe.moe_experts(*args, small_max_rows=SMALL, pair_max_rows=0, interpret=True)
+            assert_close(got, sorted_, TOL[jnp.float32] if dtype == jnp.float32 else 8e-3, what + " pairs vs sorted")
     got = moe.moe_experts(*args, small_max_rows=SMALL, block_rows=32, stages=2, interpret=True)  # 32-row tiles, 2-deep ring
     assert_close(got, oracle64(*args), TOL[dtype], "small R=32")
     got = moe.moe_experts(*args, small_max_rows=SMALL, small_transposed_out=True, interpret=True)  # transposed tiles, XLA transposes
     assert_close(got, oracle64(*args), TOL[dtype], "small transposed_out")
+
+
+def test_pair_tiles_layout():
+    """A tile per (token, slot) pair: the table is the expert ids in pair order, the pair's token in
+    the tile's first row and zeros after it, its routing weight on that row only."""
+    xt = jnp.arange(2 * H, dtype=jnp.float32).reshape(2, H) + 1
+    top_i = jnp.asarray([[3, 1], [1, 7]], jnp.int32)
+    top_w = jnp.asarray([[0.75, 0.25], [0.5, 0.5]], jnp.float32)
+    tiles, xp, row_w = moe.pair_tiles(top_i, top_w, xt, 8)
+    np.testing.assert_array_equal(tiles, [3, 1, 1, 7])
+    want_x = np.zeros((32, H), np.float32)
+    want_x[[0, 8]] = xt[0]
+    want_x[[16, 24]] = xt[1]
+    np.testing.assert_array_equal(xp, want_x)
+    want_w = np.zeros(32, np.float32)
+    want_w[[0, 8, 16, 24]] = [0.75, 0.25, 0.5, 0.5]
+    np.testing.assert_array_equal(row_w, want_w)
 
 
 def _moe_cfg(kernels: str, **kw) -> ModelConfig:
@@ -381,11 +401,11 @@ def test_kernels_lower_for_the_gpu(n, kw):
 
 
 @pytest.mark.parametrize("n, kw", [(1, dict(gather_below=E)), (5, dict(small_max_rows=SMALL)),
-                                   (N_TOK, dict(small_max_rows=0))])
+                                   (12, dict(small_max_rows=SMALL)), (N_TOK, dict(small_max_rows=0))])
 def test_stacked_experts_read_in_place(n, kw):
     """Experts given as a stack of 3 layers' (``[3 * E, ...]``) with ``num_experts`` and a traced
-    ``expert_offset`` give the offset layer's result exactly, on the gather path, the small path
-    and the 64-row kernel (the decoder's scan passes the stack so no layer's experts are copied)."""
+    ``stack_row`` give that layer's result exactly, on the gather path, the small path (pair
+    tiles at 5 tokens, the sorted layout at 12) and the 64-row kernel (the decoder's scan passes the stack so no layer's experts are copied)."""
     rng = np.random.default_rng(7)
     xt, gate_up, down = expert_inputs(rng, jnp.float32)
     top_w, top_i = routing(rng, "random", n)
@@ -393,6 +413,6 @@ def test_stacked_experts_read_in_place(n, kw):
     stack_gu = jnp.concatenate([others[0][0], gate_up, others[1][0]])
     stack_dn = jnp.concatenate([others[0][1], down, others[1][1]])
     want = moe.moe_experts(xt[:n], top_w, top_i, gate_up, down, interpret=True, **kw)
-    got = jax.jit(lambda off: moe.moe_experts(xt[:n], top_w, top_i, stack_gu, stack_dn, num_experts=E,
-                                              expert_offset=off, interpret=True, **kw))(jnp.int32(E))
+    got = jax.jit(lambda row: moe.moe_experts(xt[:n], top_w, top_i, stack_gu, stack_dn, num_experts=E,
+                                              stack_row=row, interpret=True, **kw))(jnp.int32(1))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
