@@ -315,5 +315,5 @@ def test_a_second_start_loads_every_program_from_the_cache(tiny, tmp_path):
         return int(m.group(1)), int(m.group(2))
 
     programs, loaded = start()
-    assert programs == 4 and loaded == 0 and any(cache.iterdir())
+    assert programs == 6 and loaded == 0 and any(cache.iterdir())  # 2 mixed, decode (1, 2) x S (0, B)
     assert start() == (programs, programs)

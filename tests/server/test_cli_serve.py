@@ -22,8 +22,8 @@ from tests.server.harness import parse_metrics
 
 KEY = "sk-cli"
 # --max-prefill-length 64 --max-running-requests 4: token buckets (32, 64), each a full-width and a
-# one-row program; decode buckets (1, 2, 4) with S in (1,), (2,), (1, 4): 4 + 4 step programs.
-PROGRAMS = 8
+# one-row program; decode buckets (1, 2, 4) with S in (0, 1), (0, 2), (1, 4): 4 + 6 step programs.
+PROGRAMS = 10
 
 
 def _free_port() -> int:
