@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -42,14 +44,33 @@ def decode_rate(engine, batch: int, prompt_len: int, new: int, seed: int, output
     rids = {}
     for i in range(batch):
         rids[engine.add_request(random_ids(rng, engine, prompt_len), sp)] = i
-    stamps, produced = [], []
-    while engine.has_work():
-        outs = engine.step()
-        stamps.append(time.perf_counter())
-        produced.append(sum(len(o.new_ids) for o in outs))
-        for o in outs:
-            if o.finished and outputs is not None:
-                outputs[rids[o.request_id]] = list(o.output_ids)
+    stamps, produced, phases = [], [], []  # phases: each step's (dispatch s, fetch-wait s, step s)
+    ex = engine.executor
+    spent = {"dispatch": 0.0, "fetch": 0.0}
+
+    def timed(name, fn):
+        def call(*a):
+            t = time.perf_counter()
+            try:
+                return fn(*a)
+            finally:
+                spent[name] += time.perf_counter() - t
+        return call
+
+    ex.dispatch, ex.fetch = timed("dispatch", ex.dispatch), timed("fetch", ex.fetch)
+    try:
+        while engine.has_work():
+            spent["dispatch"] = spent["fetch"] = 0.0
+            t = time.perf_counter()
+            outs = engine.step()
+            stamps.append(time.perf_counter())
+            phases.append((spent["dispatch"], spent["fetch"], stamps[-1] - t))
+            produced.append(sum(len(o.new_ids) for o in outs))
+            for o in outs:
+                if o.finished and outputs is not None:
+                    outputs[rids[o.request_id]] = list(o.output_ids)
+    finally:
+        del ex.dispatch, ex.fetch  # the instance attributes shadowed the methods
     # steady state: from the step where every request has its first token to the end
     firsts, seen = 0, 0
     for i, n in enumerate(produced):
@@ -59,8 +80,13 @@ def decode_rate(engine, batch: int, prompt_len: int, new: int, seed: int, output
             break
     toks = sum(produced[firsts + 1:])
     dt = stamps[-1] - stamps[firsts]
+    steady = np.array(phases[firsts + 1:] or [(0.0, 0.0, 0.0)]) * 1e3
+    # host_ms: the step's time less its wait for the device (the overlapped loop hides it while it
+    # stays below the device's step time; fetch_wait_ms near 0 says the loop is host-bound)
+    med = {f"{k}_ms": round(float(np.median(v)), 3) for k, v in
+           (("dispatch", steady[:, 0]), ("fetch_wait", steady[:, 1]), ("host", steady[:, 2] - steady[:, 1]))}
     return {"batch": batch, "tok_s": round(toks / dt, 1) if dt > 0 else None, "step_ms": round(dt / max(1, len(stamps) - firsts - 1) * 1e3, 3),
-            "steps": len(stamps)}
+            "steps": len(stamps), **med}
 
 
 def kernel_breakdown(engine, batch: int, prompt_len: int, seed: int, hlo_out: Path | None = None) -> dict | None:
