@@ -13,7 +13,8 @@ results (a moving result is a race). Exit status 1 if any case fails. The ragged
 heads / channels and against the jnp reference on the GPU, and padding tokens must give zeros;
 ``gdn_fused`` and ``kda_fused`` (asked for by name) check ``pallas_kernels/gdn_chunk_fused.py`` and
 ``kda_chunk_fused.py`` the same way with bf16 operands, gates strong enough to stress the on-chip UT
-inverse (and, for KDA, the per-channel decay's range) included.
+inverse (and, for KDA, the per-channel decay's range) included; ``gdn_prep`` (by name) the GDN prefill
+with its intra-chunk terms by ``pallas_kernels/gdn_chunk_prep.py``, at the same cases.
 The ``linear`` suite checks ``pallas_kernels/linear_small.py`` (decode-step dense projections) at the
 target model's weight shapes and 1 to 64 rows. The ``moe`` suite checks the routed experts
 (``pallas_kernels/moe.py``: the 64-row grouped kernel, the swap-AB small path at decode token counts,
@@ -385,13 +386,24 @@ def chunked_checks(interpret=False):
 # identity: the regime where its tf32 block merges on the GPU could lose accuracy. KDA's per-channel
 # gates up to 5 per token put a chunk's cumulative log-decay far past fp32's exponent range: the
 # regime its sub-block reference points are for. bf16 activations and operands (the GPU path).
+# ``gdn_prep``: the split GDN prefill with its intra-chunk terms by pallas_kernels/gdn_chunk_prep.py
+# (gdn_chunked_pallas prep="kernel", bf16 operands), at the same cases.
 FUSED_CASES = {"gdn": [(True, 0.03), (False, 0.03), (True, 1.0)],
-               "kda": [(True, 0.03), (False, 0.03), (True, 5.0)]}
-FUSED_SEEDS = {"gdn": 251, "kda": 271}
+               "kda": [(True, 0.03), (False, 0.03), (True, 5.0)],
+               "gdn_prep": [(True, 0.03), (False, 0.03), (True, 1.0)]}
+FUSED_SEEDS = {"gdn": 251, "kda": 271, "gdn_prep": 291}
+FUSED_NAMES = {"gdn": "gdn_chunk_fused", "kda": "kda_chunk_fused", "gdn_prep": "gdn_chunk_prep"}
 
 
 def fused_kernel(kind):
-    """(kernel, jnp chunked reference) of the one-kernel prefill of ``kind``."""
+    """(kernel, jnp chunked reference) of the one-kernel prefill of ``kind`` (``gdn_prep``: the split
+    prefill with the prep kernel)."""
+    if kind == "gdn_prep":
+        import functools
+
+        from pallas_kernels.gdn_chunked import gdn_chunked_pallas
+        from pallas_kernels.gdn_reference import gdn_chunked
+        return functools.partial(gdn_chunked_pallas, prep="kernel", matmul_dtype=jnp.bfloat16), gdn_chunked
     if kind == "gdn":
         from pallas_kernels.gdn_chunk_fused import gdn_chunk_fused
         from pallas_kernels.gdn_reference import gdn_chunked
@@ -405,11 +417,11 @@ def check_fused(kind, ragged, gate, seed, interpret=False):
     fused, chunked = fused_kernel(kind)
     rng = np.random.default_rng(seed)
     T, dtype = (300 if interpret else CH_TOKENS), jnp.bfloat16
-    x, cu, init, start, snap_seq, snap_len = chunked_inputs(rng, kind=kind, T=T, ragged=ragged, dtype=dtype,
-                                                            interpret=interpret)
+    x, cu, init, start, snap_seq, snap_len = chunked_inputs(rng, kind=kind.removesuffix("_prep"), T=T, ragged=ragged,
+                                                            dtype=dtype, interpret=interpret)
     x["g"] = np.asarray(jnp.asarray(-rng.uniform(0, gate, size=x["g"].shape), dtype).astype(jnp.float32))
     kernel = lambda x, idx: fused(**x, **idx, interpret=interpret)  # noqa: E731
-    res = dict(kernel=f"{kind}_chunk_fused", variant=f"{kind}_fused_bf16mm", B=len(cu) - 1, dtype="bfloat16", seed=seed,
+    res = dict(kernel=FUSED_NAMES[kind], variant=f"{kind}_fused_bf16mm", B=len(cu) - 1, dtype="bfloat16", seed=seed,
                tokens=int(cu[-1]), T=T, ragged=ragged, max_gate=gate,
                **compare_prefill(kernel, chunked, rng, x, dtype, cu, init, start, snap_seq, snap_len))
     return with_verdict(res, CH_O_TOL[jnp.bfloat16], CH_STATE_TOL[jnp.bfloat16])
@@ -422,7 +434,7 @@ def fused_checks(kind, interpret=False):
         try:
             r = check_fused(kind, ragged, gate, seed, interpret)
         except Exception as e:  # keep going: one broken case must not hide the others
-            r = dict(kernel=f"{kind}_chunk_fused", variant=f"{kind}_fused_bf16mm", B=-1, dtype="bfloat16",
+            r = dict(kernel=FUSED_NAMES[kind], variant=f"{kind}_fused_bf16mm", B=-1, dtype="bfloat16",
                      ok=False, ragged=ragged, max_gate=gate, error=f"{type(e).__name__}: {str(e)[:2000]}")
         yield r
 
@@ -728,7 +740,8 @@ def main():
     ap.add_argument("--suites", default="decode,paged_attention,chunked,conv1d,moe,linear",
                     help="decode (GDN/KDA), paged_attention, chunked (GDN/KDA prefill), conv1d (short conv), "
                          "moe (MoE routed experts), linear (decode-step dense projections), gdn_fused / "
-                         "kda_fused (GDN / KDA prefill as one kernel; not in the default)")
+                         "kda_fused (GDN / KDA prefill as one kernel; not in the default), gdn_prep (GDN "
+                         "prefill with the intra-chunk terms by a kernel; not in the default)")
     args = ap.parse_args()
     suites = args.suites.split(",")
     print(jax.devices())
@@ -761,6 +774,7 @@ def main():
     for r in itertools.chain(chunked_checks(args.interpret) if "chunked" in suites else (),
                              fused_checks("gdn", args.interpret) if "gdn_fused" in suites else (),
                              fused_checks("kda", args.interpret) if "kda_fused" in suites else (),
+                             fused_checks("gdn_prep", args.interpret) if "gdn_prep" in suites else (),
                              conv1d_checks(args.interpret) if "conv1d" in suites else (),
                              moe_checks(args.interpret) if "moe" in suites else (),
                              linear_checks(args.interpret) if "linear" in suites else ()):

@@ -6,7 +6,8 @@ vs the roofline, one JSON record per case.
 
 Kernel families register a ``Suite`` in ``SUITES`` (cases, a JAX runner, a peer runner): GDN/KDA
 decode, paged attention, chunked prefill (``chunked``; ``gdn_fused`` / ``kda_fused``: GDN / KDA
-prefill as one kernel, timed beside the split kernel), the causal conv1d and the MoE routed experts (``moe``: ours vs
+prefill as one kernel, timed beside the split kernel; ``gdn_prep``: the split kernel with its
+intra-chunk terms by ``gdn_chunk_prep``), the causal conv1d and the MoE routed experts (``moe``: ours vs
 ``lax.ragged_dot`` vs the gather path; no peer).
 
 Method (the device tool's METHOD.md): inputs are random (never zeros), states live in a pool of
@@ -75,7 +76,7 @@ def case_key(case):
         return paged_case_key(m)
     if m.get("suite") == "chunked":
         return chunked_case_key(m)
-    if m.get("suite") in ("gdn_fused", "kda_fused"):
+    if m.get("suite") in ("gdn_fused", "kda_fused", "gdn_prep"):
         return fused_case_key(m)
     if m.get("suite") == "conv1d":
         return conv1d_case_key(m)
@@ -367,6 +368,7 @@ def fla_worker(cases_json):
     for case in cases:
         try:
             run = {"chunked": run_chunked_fla, "gdn_fused": run_chunked_fla, "kda_fused": run_chunked_fla,
+                   "gdn_prep": run_chunked_fla,
                    "conv1d": run_conv1d_fla}.get(case.get("suite"), run_decode_fla)
             res = run(case)
         except Exception as e:  # noqa: BLE001  (a CUDA fault usually kills the process instead)
@@ -950,13 +952,20 @@ FUSED_VARIANTS = {"gdn": "fused_bf16mm", "kda": "kda_fused_bf16mm"}
 CHECKED_AS.update(fused_bf16mm="gdn_fused_bf16mm", kda_fused_bf16mm="kda_fused_bf16mm")
 
 
-def fused_cases(kind):
-    """The ``{kind}_fused`` suite's cases (``Suite.cases`` takes ``quick``)."""
-    return lambda quick=False: [dict(c, suite=f"{kind}_fused") for c in chunked_cases(quick) if c["kind"] == kind]
+# The gdn_prep suite: the split GDN prefill with its intra-chunk terms by pallas_kernels/gdn_chunk_prep.py
+# (gdn_chunked_pallas prep="kernel", bf16 operands), the same cases and same-run baseline.
+PREP_VARIANT = "prep_bf16mm"
+CHECKED_AS[PREP_VARIANT] = "gdn_prep_fused_bf16mm"
+
+
+def fused_cases(kind, suite=None):
+    """The ``{kind}_fused`` suite's cases, or ``suite``'s (``Suite.cases`` takes ``quick``)."""
+    return lambda quick=False: [dict(c, suite=suite or f"{kind}_fused") for c in chunked_cases(quick)
+                                if c["kind"] == kind]
 
 
 def fused_case_key(m):
-    return f"{m['kind']}_chunked_prefill_fused", chunked_case_key(m)[1]
+    return f"{m['kind']}_chunked_prefill_{'prep' if m['suite'] == 'gdn_prep' else 'fused'}", chunked_case_key(m)[1]
 
 
 def fused_kernel(kind):
@@ -970,10 +979,17 @@ def fused_kernel(kind):
 
 def run_fused_jax(case, allowed=None):
     """Ours (if gpu_check passed it) and today's split kernel as the same-run baseline: a jitted
-    chain of ``steps`` prefill calls, each one's final states the next one's initial states."""
+    chain of ``steps`` prefill calls, each one's final states the next one's initial states. The
+    ``gdn_prep`` suite's ours is the split kernel with its terms by ``gdn_chunk_prep``."""
+    import functools
+
     from pallas_kernels.gdn_chunked import gdn_chunked_pallas
 
-    fused, variant = fused_kernel(case["kind"]), FUSED_VARIANTS[case["kind"]]
+    if case["suite"] == "gdn_prep":
+        fused = functools.partial(gdn_chunked_pallas, prep="kernel", matmul_dtype="bfloat16")
+        variant = PREP_VARIANT
+    else:
+        fused, variant = fused_kernel(case["kind"]), FUSED_VARIANTS[case["kind"]]
     idx, interpret = chunked_indices(case)
     fns, out = {}, {}
     if allowed is not None and variant not in allowed:
@@ -1382,6 +1398,7 @@ SUITES = {"decode": Suite(decode_cases, run_decode_jax, decode_state_bytes),
           "chunked": Suite(chunked_cases, run_chunked_jax, chunked_bytes),
           "gdn_fused": Suite(fused_cases("gdn"), run_fused_jax, chunked_bytes),
           "kda_fused": Suite(fused_cases("kda"), run_fused_jax, chunked_bytes),
+          "gdn_prep": Suite(fused_cases("gdn", "gdn_prep"), run_fused_jax, chunked_bytes),
           "conv1d": Suite(conv1d_cases, run_conv1d_jax, conv1d_bytes),
           "moe": Suite(moe_cases, run_moe_jax, moe_bytes, has_peer=False, flops=moe_flops),
           "linear": Suite(linear_cases, run_linear_jax, linear_bytes, has_peer=False)}

@@ -160,6 +160,61 @@ def apply_inverse(t_smem, w_smem, v_smem):
     return ut
 
 
+def ut_transform(q_s, k_s, v_s, gb_s, t_smem, w_smem, qk_smem, bars, mm_dtype, *,
+                 before_inverse=lambda: None, before_commit=lambda: None):
+    """One chunk's UT transform on chip, from its q, k ``[64, dk]``, v columns ``[64, 64]`` and
+    (g, beta) ``[2, 64]`` in SMEM as TMA delivers them (``bars``: their barriers, in the order gb, q,
+    k, v): the decay cumsum ``G``, ``A`` and its blocked inverse ``T`` (into ``t_smem``), the
+    causal decayed scores ``qk`` (into ``qk_smem``), ``w = T (beta k e^G)`` (into ``w_smem``), and q,
+    k, v rescaled in place to ``q e^G``, ``k e^(G_last - G)`` and ``beta v``. Returns ``uᵀ`` [64, 64]
+    fp32 and ``G_last`` (per row) in registers. ``before_inverse`` runs before the inverse takes its
+    scoped SMEM, ``before_commit`` before the last writes are committed (the caller's hooks: the
+    fused kernel waits for its previous chunk's copies and stages its state there)."""
+    dk = q_s.shape[-1]
+    f32 = jnp.float32
+    tile = plgpu.Layout.WGMMA
+    C = CHUNK
+    sq = (C, C)
+    gb_bar, q_bar, k_bar, v_bar = bars
+    # Gates: G_i = Σ_{t<=i} g_t as per-row and per-column vectors, G_last broadcast per row.
+    # (The index grids are rebuilt per chunk rather than held in 64 registers across a loop.)
+    row = plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=tile)
+    col = plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=tile)
+    plgpu.barrier_wait(gb_bar)
+    g_r = plgpu.load(gb_s.at[0], layout=tile.reduce(1))
+    g_c = plgpu.load(gb_s.at[0], layout=tile.reduce(0))
+    beta_r = plgpu.load(gb_s.at[1], layout=tile.reduce(1))
+    beta_c = plgpu.load(gb_s.at[1], layout=tile.reduce(0))
+    G_r = jnp.sum(jnp.where(col <= row, _col(g_c, sq), 0.0), axis=1)
+    G_c = jnp.sum(jnp.where(row <= col, _row(g_r, sq), 0.0), axis=0)
+    G_last = jnp.sum(_col(g_c, sq), axis=1)  # every entry the chunk's total log-decay
+
+    # K Kᵀ and q Kᵀ, then the decayed, masked A, Aᵀ and qk in registers.
+    plgpu.barrier_wait(q_bar)
+    plgpu.barrier_wait(k_bar)
+    kk, qk = _products(([(k_s, k_s.T)], sq), ([(q_s, k_s.T)], sq))
+    diff = _row(G_r, sq) - _col(G_c, sq)                     # G_i - G_j
+    A = _row(beta_r, sq) * kk * jnp.exp(jnp.where(col < row, diff, -jnp.inf))
+    At = _col(beta_c, sq) * kk * jnp.exp(jnp.where(row < col, -diff, -jnp.inf))
+    qk_smem[...] = (qk * jnp.exp(jnp.where(col <= row, diff, -jnp.inf))).astype(mm_dtype)
+
+    before_inverse()
+    T = pl.run_scoped(functools.partial(_unit_lower_inverse, A, At, row, col),
+                      *(plgpu.SMEM(sq, f32, transforms=_transforms(f32)) for _ in range(4)))
+    t_smem[...] = T.astype(mm_dtype)
+
+    # beta k e^G into w's buffer; then q, k, v rescaled in place (their raw reads are done).
+    kr = plgpu.load(k_s, layout=tile)
+    w_smem[...] = (kr * _row(beta_r * jnp.exp(G_r), (C, dk))).astype(mm_dtype)
+    k_s[...] = (kr * _row(jnp.exp(G_last - G_r), (C, dk))).astype(mm_dtype)
+    q_s[...] = (plgpu.load(q_s, layout=tile) * _row(jnp.exp(G_r), (C, dk))).astype(mm_dtype)
+    plgpu.barrier_wait(v_bar)
+    v_s[...] = (plgpu.load(v_s, layout=tile) * _row(beta_r, (C, BLOCK_DV))).astype(mm_dtype)
+    before_commit()
+    plgpu.commit_smem()
+    return apply_inverse(t_smem, w_smem, v_s), G_last
+
+
 def recurrence(s, ut, decay, s_smem, w_smem, vn_smem, q_smem, qk_smem, k_smem):
     """One chunk of the state recurrence on the transposed state ``s = Sᵀ`` [64, dk] (fp32 registers;
     its operand copy already in ``s_smem``): ``v_newᵀ = uᵀ - Sᵀ wᵀ``, then ``oᵀ = Sᵀ (q e^G)ᵀ +
@@ -214,10 +269,6 @@ def _kernel(first_ref, nchunks_ref, slot_ref, init_ref, q_ref, k_ref, v_ref, gb_
     """One (sequence, value head, 64 state columns): walk the sequence's chunks with ``Sᵀ`` in registers."""
     n, h, hk, c0, nc, cols = program(first_ref, nchunks_ref, group)
     dk = q_smem.shape[-1]
-    f32 = jnp.float32
-    tile = plgpu.Layout.WGMMA
-    C = CHUNK
-    sq = (C, C)
 
     def issue(c, slot):
         """The chunk's four copies into buffer ``slot``, each on its own barrier."""
@@ -244,45 +295,15 @@ def _kernel(first_ref, nchunks_ref, slot_ref, init_ref, q_ref, k_ref, v_ref, gb_
         def _():
             issue(c + 1, 1 - slot)
 
-        # Gates: G_i = Σ_{t<=i} g_t as per-row and per-column vectors, G_last broadcast per row.
-        # (The index grids are rebuilt per chunk rather than held in 64 registers across the loop.)
-        row = plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=tile)
-        col = plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=tile)
-        plgpu.barrier_wait(bars.at[4 * slot + 3])
-        g_r = plgpu.load(gb_s.at[0], layout=tile.reduce(1))
-        g_c = plgpu.load(gb_s.at[0], layout=tile.reduce(0))
-        beta_r = plgpu.load(gb_s.at[1], layout=tile.reduce(1))
-        beta_c = plgpu.load(gb_s.at[1], layout=tile.reduce(0))
-        G_r = jnp.sum(jnp.where(col <= row, _col(g_c, sq), 0.0), axis=1)
-        G_c = jnp.sum(jnp.where(row <= col, _row(g_r, sq), 0.0), axis=0)
-        G_last = jnp.sum(_col(g_c, sq), axis=1)  # every entry the chunk's total log-decay
+        def previous_copies_done():  # they read the scoped region the inverse reuses
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-        # K Kᵀ and q Kᵀ, then the decayed, masked A, Aᵀ and qk in registers.
-        plgpu.barrier_wait(bars.at[4 * slot])
-        plgpu.barrier_wait(bars.at[4 * slot + 1])
-        kk, qk = _products(([(k_s, k_s.T)], sq), ([(q_s, k_s.T)], sq))
-        diff = _row(G_r, sq) - _col(G_c, sq)                     # G_i - G_j
-        A = _row(beta_r, sq) * kk * jnp.exp(jnp.where(col < row, diff, -jnp.inf))
-        At = _col(beta_c, sq) * kk * jnp.exp(jnp.where(row < col, -diff, -jnp.inf))
-        qk_smem[...] = (qk * jnp.exp(jnp.where(col <= row, diff, -jnp.inf))).astype(mm_dtype)
+        def stage_state():  # the state's operand copy, committed with the chunk's other writes
+            s_smem[...] = s.astype(mm_dtype)
 
-        # The previous chunk's output / state copies read the scoped region the inverse reuses.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        T = pl.run_scoped(functools.partial(_unit_lower_inverse, A, At, row, col),
-                          *(plgpu.SMEM(sq, f32, transforms=_transforms(f32)) for _ in range(4)))
-        t_smem[...] = T.astype(mm_dtype)
-
-        # beta k e^G into w's buffer; then q, k, v rescaled in place (their raw reads are done).
-        kr = plgpu.load(k_s, layout=tile)
-        w_smem[...] = (kr * _row(beta_r * jnp.exp(G_r), (C, dk))).astype(mm_dtype)
-        k_s[...] = (kr * _row(jnp.exp(G_last - G_r), (C, dk))).astype(mm_dtype)
-        q_s[...] = (plgpu.load(q_s, layout=tile) * _row(jnp.exp(G_r), (C, dk))).astype(mm_dtype)
-        plgpu.barrier_wait(bars.at[4 * slot + 2])
-        v_s[...] = (plgpu.load(v_s, layout=tile) * _row(beta_r, (C, BLOCK_DV))).astype(mm_dtype)
-        s_smem[...] = s.astype(mm_dtype)
-        plgpu.commit_smem()
-
-        ut = apply_inverse(t_smem, w_smem, v_s)
+        ut, G_last = ut_transform(q_s, k_s, v_s, gb_s, t_smem, w_smem, qk_smem,
+                                  [bars.at[4 * slot + i] for i in (3, 0, 1, 2)], mm_dtype,
+                                  before_inverse=previous_copies_done, before_commit=stage_state)
         o, s_new = recurrence(s, ut, _row(jnp.exp(G_last), (BLOCK_DV, dk)), s_smem, w_smem, vn_smem, q_s, qk_smem, k_s)
         write_chunk_outputs(o, s_new, out_row, ot_ref.at[c, h, cols], st_ref, h, cols)
         return s_new

@@ -73,6 +73,7 @@ from pallas_kernels.kda_reference import (
     _to_grid,
     _unit_lower_solve,
     chunk_layout,
+    l2norm,
     prepare_chunked_args,
 )
 
@@ -150,8 +151,10 @@ def _products(*groups):
 def _kernel(first_ref, nchunks_ref, slot_ref, dl_ref, init_ref, w_ref, qd_ref, kdt_ref, ut_ref, qk_ref,
             ot_ref, st_ref,
             st_smem, s_smem, w_smem, qd_smem, kd_smem, u_smem, qk_smem, vn_smem, o_smem, g_smem, bars,
-            *, block_dv, per_channel_gate, mm_dtype):
-    """One (sequence, value head, dv tile): walk the sequence's chunks carrying ``Sᵀ`` in registers."""
+            *, block_dv, per_channel_gate, mm_dtype, kd_token_major=False):
+    """One (sequence, value head, dv tile): walk the sequence's chunks carrying ``Sᵀ`` in registers.
+    ``kd_token_major``: ``k exp(G_last - G)`` comes as ``[C, dk]`` (``gdn_chunk_prep``'s layout; a
+    non-transposed WGMMA operand, 16-bit operands only on the GPU) instead of ``[dk, C]``."""
     n = lax.axis_index("n")
     h = lax.axis_index("h")
     j = lax.axis_index("j")
@@ -163,6 +166,7 @@ def _kernel(first_ref, nchunks_ref, slot_ref, dl_ref, init_ref, w_ref, qd_ref, k
     tile = plgpu.Layout.WGMMA
     C = w_smem.shape[0]
     dk = w_smem.shape[1]
+    kd_operand = kd_smem if kd_token_major else kd_smem.T
 
     def issue_w(c):
         plgpu.copy_gmem_to_smem(w_ref.at[c, h], w_smem, w_bar)
@@ -224,7 +228,7 @@ def _kernel(first_ref, nchunks_ref, slot_ref, dl_ref, init_ref, w_ref, qd_ref, k
         plgpu.barrier_wait(qk_bar)
         plgpu.barrier_wait(kd_bar)
         o, kv = _products(([(s_smem, qd_smem.T), (vn_smem, qk_smem.T)], (block_dv, C)),
-                          ([(vn_smem, kd_smem.T)], (block_dv, dk)))
+                          ([(vn_smem, kd_operand)], (block_dv, dk)))
         # S_newᵀ = exp(G_last) Sᵀ + v_newᵀ (k exp(G_last - G))
         if per_channel_gate:
             plgpu.barrier_wait(g_bar)
@@ -275,6 +279,7 @@ def _layout_requests(layout, cu_seqlens, snapshot_seq, snapshot_len, max_chunks,
 
 
 PREP_PRECISIONS = {"highest": lax.Precision.HIGHEST, "default": None}
+PREPS = ("xla", "kernel")  # who computes the intra-chunk terms: XLA (chunk_terms) or gdn_chunk_prep
 
 
 def chunk_kernel(body, scratch, *, num_seqs, num_rows, max_chunks, Hv, dv, dk, block_dv, interpret, name="delta_chunk"):
@@ -322,26 +327,50 @@ def run_chunked(impl, q, k, v, g, beta, *, gate, cu_seqlens, initial_state, snap
     return o.astype(v.dtype), final, (None if snapshot_seq is None else snaps)
 
 
+def _terms_by_kernel(q, k, v, g, beta, grid, *, scale, use_qk_l2norm, matmul_dtype, interpret):
+    """The recurrence kernel's inputs from ``gdn_chunk_prep`` (GDN: ``g [T, Hv, 1]``): q and k
+    normalised (q then scaled) in fp32 with their ``Hk`` heads, cast to the operand dtype and laid
+    on the grid with v, g and beta; ``exp(G_last)`` of each chunk by XLA (one reduction)."""
+    from pallas_kernels.gdn_chunk_prep import chunk_terms_kernel  # it builds on this module
+
+    f32, mm = jnp.float32, jnp.dtype(matmul_dtype)
+    q, k = q.astype(f32), k.astype(f32)
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
+    g = g[..., 0].astype(f32)
+    gb = jnp.swapaxes(grid(jnp.stack([g, beta.astype(f32)], axis=-1)), -1, -2)  # [M, Hv, 2, C]
+    w, qd, kd, ut, qk = chunk_terms_kernel(grid(q.astype(mm)), grid(k.astype(mm)), grid(v.astype(mm)), gb,
+                                           matmul_dtype=mm, interpret=interpret)
+    return w, qd, kd, ut, qk, jnp.exp(jnp.sum(gb[:, :, 0], axis=-1))
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "max_chunks", "block_dv",
-                                             "matmul_dtype", "prep_precision", "interpret"))
+                                             "matmul_dtype", "prep_precision", "prep", "interpret"))
 def _chunked_pallas(q, k, v, g, beta, cu_seqlens, initial_state, snapshot_seq, snapshot_len, start_pos,
-                    *, scale, use_qk_l2norm, max_chunks, block_dv, matmul_dtype, prep_precision, interpret):
+                    *, scale, use_qk_l2norm, max_chunks, block_dv, matmul_dtype, prep_precision, prep, interpret):
     T, Hv, dv = v.shape
     dk = q.shape[-1]
     num_seqs = cu_seqlens.shape[0] - 1
     per_channel_gate = g.shape[-1] != 1
-    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
     layout = chunk_layout(cu_seqlens, start_pos, T, CHUNK, max_chunks)
     grid = functools.partial(_to_grid, layout=layout, max_chunks=max_chunks, chunk_size=CHUNK)
-    terms = chunk_terms(grid(q), grid(k), grid(v), grid(g), grid(beta[..., None])[..., 0],
-                        precision=PREP_PRECISIONS[prep_precision])
     mm = jnp.dtype(matmul_dtype)
-    w = terms.w.astype(mm)                                   # [M, Hv, C, dk]
-    qd = terms.q_decayed.astype(mm)                          # [M, Hv, C, dk]
-    kdt = jnp.swapaxes(terms.k_decayed, -1, -2).astype(mm)  # [M, Hv, dk, C]
-    ut = jnp.swapaxes(terms.u, -1, -2)                       # [M, Hv, dv, C] fp32
-    qk = terms.qk.astype(mm)                                 # [M, Hv, C, C]
-    decay_last = terms.decay_last if per_channel_gate else terms.decay_last[..., 0]  # [M, Hv, dk] | [M, Hv]
+    by_kernel = prep == "kernel"
+    if by_kernel:
+        w, qd, kd, ut, qk, decay_last = _terms_by_kernel(q, k, v, g, beta, grid, scale=scale,
+                                                         use_qk_l2norm=use_qk_l2norm, matmul_dtype=mm,
+                                                         interpret=interpret)
+    else:
+        q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
+        terms = chunk_terms(grid(q), grid(k), grid(v), grid(g), grid(beta[..., None])[..., 0],
+                            precision=PREP_PRECISIONS[prep_precision])
+        w = terms.w.astype(mm)                                   # [M, Hv, C, dk]
+        qd = terms.q_decayed.astype(mm)                          # [M, Hv, C, dk]
+        kd = jnp.swapaxes(terms.k_decayed, -1, -2).astype(mm)   # [M, Hv, dk, C]
+        ut = jnp.swapaxes(terms.u, -1, -2)                       # [M, Hv, dv, C] fp32
+        qk = terms.qk.astype(mm)                                 # [M, Hv, C, C]
+        decay_last = terms.decay_last if per_channel_gate else terms.decay_last[..., 0]  # [M, Hv, dk] | [M, Hv]
     init_t = jnp.swapaxes(initial_state, -1, -2)             # [N, Hv, dv, dk]
 
     req_seq, row, slot_of_chunk = _layout_requests(layout, cu_seqlens, snapshot_seq, snapshot_len,
@@ -356,7 +385,7 @@ def _chunked_pallas(q, k, v, g, beta, cu_seqlens, initial_state, snapshot_seq, s
         *([] if alias else [plgpu.SMEM((block_dv, dk), mm, transforms=_transforms(mm))]),  # Sᵀ operand
         plgpu.SMEM((CHUNK, dk), mm, transforms=_transforms(mm)),      # w
         plgpu.SMEM((CHUNK, dk), mm, transforms=_transforms(mm)),      # q exp G
-        plgpu.SMEM((dk, CHUNK), mm, transforms=_transforms(mm)),      # (k exp(G_last - G))ᵀ
+        plgpu.SMEM((CHUNK, dk) if by_kernel else (dk, CHUNK), mm, transforms=_transforms(mm)),  # k exp(G_last - G)
         plgpu.SMEM((block_dv, CHUNK), f32, transforms=_transforms(f32)),  # uᵀ
         plgpu.SMEM((CHUNK, CHUNK), mm, transforms=_transforms(mm)),   # qk
         plgpu.SMEM((block_dv, CHUNK), mm, transforms=_transforms(mm)),    # v_newᵀ
@@ -369,12 +398,13 @@ def _chunked_pallas(q, k, v, g, beta, cu_seqlens, initial_state, snapshot_seq, s
         ins, outs, smem = refs[:10], refs[10:12], list(refs[12:])
         if alias:
             smem.insert(1, smem[0])
-        _kernel(*ins, *outs, *smem, block_dv=block_dv, per_channel_gate=per_channel_gate, mm_dtype=mm)
+        _kernel(*ins, *outs, *smem, block_dv=block_dv, per_channel_gate=per_channel_gate, mm_dtype=mm,
+                kd_token_major=by_kernel)
 
     kernel = chunk_kernel(body, scratch, num_seqs=num_seqs, num_rows=num_rows, max_chunks=max_chunks, Hv=Hv, dv=dv,
                           dk=dk, block_dv=block_dv, interpret=interpret)
     ot, states_t = kernel(layout.first_chunk.astype(jnp.int32), layout.num_chunks.astype(jnp.int32),
-                          slot_of_chunk, decay_last.astype(f32), init_t, w, qd, kdt, ut, qk)
+                          slot_of_chunk, decay_last.astype(f32), init_t, w, qd, kd, ut, qk)
     return gather_states(ot, states_t, layout, req_seq, row, initial_state, cu_seqlens, snapshot_seq,
                          snapshot_len, start_pos)
 
@@ -415,7 +445,8 @@ def _check_tiling(q, v, block_dv, chunk_size, matmul_dtype):
 
 def gdn_chunked_pallas(q, k, v, g, beta, *, cu_seqlens, initial_state=None, scale=None, use_qk_l2norm=True,
                        snapshot_seq=None, snapshot_len=None, chunk_size=64, start_pos=None, max_chunks=None,
-                       block_dv=64, matmul_dtype=jnp.float32, prep_precision="highest", interpret=False):
+                       block_dv=64, matmul_dtype=jnp.float32, prep_precision="highest", prep="xla",
+                       interpret=False):
     """``gdn_chunked`` (``g [T, Hv]``) or ``kda_chunked`` (``g [T, Hv, dk]``) with the state recurrence
     on the Mosaic GPU kernel. Same arguments and results as the references::
 
@@ -430,10 +461,22 @@ def gdn_chunked_pallas(q, k, v, g, beta, *, cu_seqlens, initial_state=None, scal
     dtype: fp32 = tf32 on the GPU, or bf16), ``prep_precision`` (the XLA intra-chunk products:
     ``"highest"`` fp32, or ``"default"``, the configured matmul precision, i.e. TF32 on the GPU:
     an experiment, measured by ``benchmarks/kernels.py`` and checked by ``benchmarks/gpu_check.py``
-    before any model path uses it), ``interpret`` (Mosaic GPU's interpreter, CPU tests).
+    before any model path uses it), ``prep`` (``"xla"``: the intra-chunk terms by XLA, with
+    ``prep_precision``; ``"kernel"``: by ``gdn_chunk_prep``, GDN only, its operands in
+    ``matmul_dtype``: 16-bit on the GPU), ``interpret`` (Mosaic GPU's interpreter, CPU tests).
     """
     if prep_precision not in PREP_PRECISIONS:
         raise ValueError(f"prep_precision={prep_precision!r}; choose one of {sorted(PREP_PRECISIONS)}")
+    if prep not in PREPS:
+        raise ValueError(f"prep={prep!r}; choose one of {PREPS}")
+    if prep == "kernel":
+        from pallas_kernels.gdn_chunk_prep import tiling_problems
+
+        problems = tiling_problems(q.shape[-1], v.shape[-1], matmul_dtype, interpret)
+        if g.ndim != 2:
+            problems.append("prep='kernel' takes GDN's gate [T, Hv] only (KDA's per-channel gate: prep='xla')")
+        if problems:
+            raise ValueError("gdn_chunked_pallas: " + "; ".join(problems))
     if g.ndim == 2:
         if g.shape != v.shape[:2]:
             raise ValueError(f"GDN gate g {g.shape} must be [T, Hv] = {v.shape[:2]}")
@@ -443,7 +486,7 @@ def gdn_chunked_pallas(q, k, v, g, beta, *, cu_seqlens, initial_state=None, scal
                        snapshot_seq=snapshot_seq, snapshot_len=snapshot_len, start_pos=start_pos,
                        max_chunks=max_chunks, scale=scale, use_qk_l2norm=use_qk_l2norm, block_dv=block_dv,
                        matmul_dtype=jnp.dtype(matmul_dtype).name, prep_precision=prep_precision,
-                       interpret=interpret)
+                       prep=prep, interpret=interpret)
 
 
 def main():

@@ -82,10 +82,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "dispatched while step N runs, hiding the host's time)")
     p.add_argument("--kernels", default=d["kernels"],
                    help="mixer backends: auto (on a GPU, the kernels verified there), jnp, pallas (the Pallas "
-                        "Mosaic GPU kernels but prefill_fused), or a list of them from gdn_decode, gdn_prefill, "
-                        "paged_attention, conv1d, moe, prefill_fused (the fused whole-chunk GDN / KDA prefill, "
-                        "unverified on a GPU; instead of gdn_prefill), e.g. prefill_fused,gdn_decode "
-                        "(default: %(default)s)")
+                        "Mosaic GPU kernels but prefill_fused, prefill_prep and linear), or a list of them from "
+                        "gdn_decode, gdn_prefill, paged_attention, conv1d, moe, linear (a decode step's dense "
+                        "projections), prefill_fused (the whole-chunk GDN / KDA prefill in one kernel; instead of "
+                        "gdn_prefill), prefill_prep (GDN's intra-chunk terms by a kernel, not yet run on a GPU; "
+                        "instead of gdn_prefill), e.g. prefill_fused,gdn_decode (default: %(default)s)")
     p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=d["scan_layers"],
                    help="run the repeating layers as one scan over stacked weights: step programs compile "
                         "2.4-4x faster (CPU) and the real-size MoE's batch-32 decode step ran 2x faster on an "
@@ -99,8 +100,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "(measured at start-up); ignored on a CPU (default: %(default)s)")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="JAX's persistent compilation cache (default: $JAXSERVE_COMPILE_CACHE, else "
-                        "~/.cache/jaxserve/xla): a second start loads its programs instead of compiling them")
-    p.add_argument("--no-compile-cache", action="store_true", help="no persistent compilation cache")
+                        "~/.cache/jaxserve/xla), and the program store beside it (DIR-programs): a second start "
+                        "loads the compiled programs ready-made instead of compiling them")
+    p.add_argument("--no-compile-cache", action="store_true", help="no persistent compilation cache, no program store")
     p.add_argument("--compile-workers", type=int, default=d["compile_workers"], metavar="N",
                    help="serve: step programs compiled at once at start-up (default: half the CPU cores, "
                         "at most 8)")

@@ -32,9 +32,9 @@ from jaxserve.config import LINEAR_ATTENTION, SNAPSHOT_INTERVAL, ModelConfig
 from jaxserve.cache.radix import HybridRadixCache
 from jaxserve.engine.engine import Engine, RequestOutput
 from jaxserve.engine.policy import make_policy
-from jaxserve.engine import startup
+from jaxserve.engine import program_store, startup
 from jaxserve.engine.pools import MiB, device_budget, init_pools
-from jaxserve.engine.runner import Batch, Buckets, DeviceExecutor, Placement, warmup
+from jaxserve.engine.runner import Batch, Buckets, DeviceExecutor, Executables, Placement, warmup
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.models import backends, decoder
@@ -158,7 +158,8 @@ def _compile_all(args: EngineArgs, compiler: startup.StepCompiler, loaded: Calla
                  memory: startup.MemoryPlan, dtype):
     """Compile every program of ``memory.buckets`` against the planned pools' shapes, then (with the
     params ``loaded()`` returns: it waits for a load running meanwhile) allocate the pools, run
-    programs once on them (``warmup``) and log what it took. Returns (params, pools).
+    programs once on them (``warmup``) and log what it took. Returns (params, pools, the
+    executables: the step calls them directly, ``runner.Executables``).
 
     Which programs run: with a measured reserve (a device that reports its memory), all of them, so
     the largest steps have run for real before the port opens (on a GPU that costs seconds). On a
@@ -168,19 +169,22 @@ def _compile_all(args: EngineArgs, compiler: startup.StepCompiler, loaded: Calla
     cfg, buckets = compiler.cfg, memory.buckets
     programs, samples = buckets.programs(), buckets.sample_programs()
     t0, hits0 = time.perf_counter(), startup.step_cache_hits()
+    stored0 = 0 if compiler.store is None else compiler.store.loaded["step"]
+    executables = Executables(cfg)
     mems = startup.compile_programs(compiler, startup.pool_structs(cfg, dtype, plan), programs, samples=samples,
                                     workers=args.compile_workers or startup.default_compile_workers(),
-                                    progress=args.progress)
+                                    progress=args.progress, keep=executables)
     hits, t1 = startup.step_cache_hits() - hits0, time.perf_counter()
     params = loaded()
     placement = compiler.placement
     pools = init_pools(plan, cfg, dtype, None if placement is None else placement.pools)
     before = startup.step_compiles() + startup.sample_compiles()
     run = programs if memory.reserve_bytes else [next(p for p in programs if p[3] == kind) for kind in (False, True)]
-    pools = warmup(params, cfg, pools, buckets, programs=run, placement=placement)
+    pools = warmup(params, cfg, pools, buckets, programs=run, placement=placement, executables=executables)
     again = startup.step_compiles() + startup.sample_compiles() - before
     largest = max((m for m in mems if m is not None), key=lambda m: m.need_bytes, default=None)
-    msg = (f"compiled {len(programs)} step programs in {t1 - t0:.1f}s ({hits} loaded from the compile cache) and "
+    stored = "" if compiler.store is None else f"{compiler.store.loaded['step'] - stored0} ready-made from the program store, "
+    msg = (f"compiled {len(programs)} step programs in {t1 - t0:.1f}s ({stored}{hits} loaded from the compile cache) and "
            f"{len(samples)} sampler programs, ran {'each' if run == programs else f'{len(run)} of them'} once in "
            f"{time.perf_counter() - t1:.1f}s")
     if largest is not None:
@@ -194,7 +198,7 @@ def _compile_all(args: EngineArgs, compiler: startup.StepCompiler, loaded: Calla
     if again:
         _log(args, f"WARNING: {again} step or sampler programs compiled again at warm-up (the ahead-of-time compile "
                    f"missed their cache keys: runner.lower_step / lower_sample no longer match runner.step)")
-    return params, pools
+    return params, pools, executables
 
 
 def _tensor_parallel(args: EngineArgs) -> TensorParallel | None:
@@ -279,7 +283,8 @@ def build_engine(args: EngineArgs) -> Engine:
     # the scheduler's promise to the GDN / KDA layers: few rows of more than one token per step
     cfg = dataclasses.replace(cfg, chunked_rows=buckets.chunked_rows)
     placement = None if tp is None else Placement(params, tp.pool_shardings(cfg))
-    compiler = startup.StepCompiler(params, cfg, buckets, placement)
+    store_root = program_store.store_dir(cache_dir) if args.compile_all and placement is None else None
+    compiler = startup.StepCompiler(params, cfg, buckets, placement, store=program_store.open_store(store_root))
     param_bytes = compiler.param_bytes  # one device's share under tensor parallelism, as is the budget
     budget, unmeasured = _budget(args, param_bytes)
     if args.progress and not unmeasured:
@@ -297,8 +302,9 @@ def build_engine(args: EngineArgs) -> Engine:
                f"{plan.describe()}{' per device' if tp else ''}; {memory.note}"
                f"{f' ({unmeasured})' if unmeasured else ''}; max prefill {buckets.tokens[-1]} tokens per step, "
                f"{len(buckets.programs())} step programs; compile cache {cache_dir or 'off'}")
+    executables = None
     if args.compile_all:
-        params, pools = _compile_all(args, compiler, loaded, plan, memory, dtype)
+        params, pools, executables = _compile_all(args, compiler, loaded, plan, memory, dtype)
     else:
         params, pools = loaded(), init_pools(plan, cfg, dtype, None if placement is None else placement.pools)
     pages = PageAllocator(plan.num_pages)
@@ -311,7 +317,7 @@ def build_engine(args: EngineArgs) -> Engine:
                           max_pages_per_seq=min(buckets.pages_per_seq, -(-max_len // args.page_size)),
                           eos_token_ids=eos, policy=make_policy(args.policy), max_chunked_rows=buckets.chunked_rows,
                           snapshot_interval=args.snapshot_interval)
-    executor = DeviceExecutor(params, cfg, pools, buckets, placement)
+    executor = DeviceExecutor(params, cfg, pools, buckets, placement, executables)
     engine = Engine(scheduler, executor, vocab_size=cfg.vocab_size, tokenizer=tokenizer,
                     debug_snapshot_checksums=args.debug_snapshot_checksums, overlap=args.overlap_schedule)
     return engine

@@ -33,7 +33,10 @@ engine. So a server compiles exactly ``Buckets.programs()`` (2·|tokens| + at mo
 sampler program per row count and mode (``Buckets.sample_programs()``). A
 server compiles them all before it serves (jaxserve/engine/startup.py, through ``lower_step`` and
 ``lower_sample``, which lower a program exactly as ``step`` calls it), so no request waits for a
-compile; ``compile_count()`` says how many step programs have run.
+compile; ``compile_count()`` says how many step programs have run. Programs compiled (or loaded from
+the program store, ``program_store.py``) ahead of time run as those executables (``Executables``):
+a program loaded from the store was never traced in this process, so ``jax.jit`` would trace,
+lower and look it up again on its first call.
 """
 
 from __future__ import annotations
@@ -373,8 +376,34 @@ class Placement:
 _PLACED: list = []  # every placement's jitted step, for compile_count
 
 
+@dataclasses.dataclass
+class Executables:
+    """Ahead-of-time executables a step calls directly instead of its ``jax.jit`` function: step
+    programs by ``Buckets.programs()`` entry (T, B, S, decode), sampler programs by (B, mode).
+    Each was lowered by ``lower_step`` / ``lower_sample`` for ``cfg`` and against exactly the
+    pools, params and buckets it is called with (startup.py fills it). A call with another config
+    (a static argument: e.g. other kernels) or a key not here runs through jit; other shapes
+    than it was lowered for raise."""
+
+    cfg: ModelConfig
+    step: dict = dataclasses.field(default_factory=dict)
+    sample: dict = dataclasses.field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.step) + len(self.sample)
+
+    def step_for(self, cfg: ModelConfig, batch: Batch):
+        return self.step.get(program_of(batch)) if cfg is self.cfg or cfg == self.cfg else None
+
+
+def program_of(batch: Batch) -> tuple[int, int, int, bool]:
+    """The ``Buckets.programs()`` entry a padded batch runs."""
+    return batch.tokens.shape[0], batch.cu_seqlens.shape[0] - 1, batch.snap_dst.shape[0], is_decode(batch)
+
+
 def step(params, cfg: ModelConfig, pools: Pools, batch: Batch, *, feed_tokens: jax.Array | None = None,
-         return_logits: bool = False, image_table=None, placement: Placement | None = None) -> tuple[StepOutput, Pools]:
+         return_logits: bool = False, image_table=None, placement: Placement | None = None,
+         executables: Executables | None = None) -> tuple[StepOutput, Pools]:
     """Run one step. ``pools`` and ``feed_tokens`` are donated: use the returned ones, never the
     arguments again. Dispatch is asynchronous; reading ``StepOutput`` (or ``block_until_ready``) is
     the barrier.
@@ -383,7 +412,8 @@ def step(params, cfg: ModelConfig, pools: Pools, batch: Batch, *, feed_tokens: j
     are read from it on the device, so a token sampled by one step reaches the next without a trip
     through the host (overlapped scheduling). Its length is part of the compiled program's shape:
     the executor keeps it fixed (``feed_buffer``); None means no feeds (a fresh buffer of B).
-    ``placement``: the step of a model split over a mesh (``Placement``).
+    ``placement``: the step of a model split over a mesh (``Placement``). ``executables``: the
+    programs compiled ahead of time for these params, pools and buckets (one device only).
 
     Two programs run: the model (``_step``, one per ``Buckets.programs()`` entry) and the sampler
     (``sampler.sample_rows``, one per row count and ``sampler.sample_mode`` of the batch, read
@@ -393,13 +423,16 @@ def step(params, cfg: ModelConfig, pools: Pools, batch: Batch, *, feed_tokens: j
     if cfg.vision is not None and image_table is None:
         image_table = empty_image_table(cfg, params, batch.tokens.shape[0])
     decode, mode = is_decode(batch), sampler.sample_mode(batch.temperature)
-    if placement is None:
+    exe = None if executables is None or placement is not None else executables.step_for(cfg, batch)
+    if exe is not None:
+        logits, pools = exe(params, pools, batch, feed_tokens, image_table)
+    elif placement is None:
         logits, pools = _step(params, cfg, pools, batch, feed_tokens, decode, image_table)
     else:
         with jax.set_mesh(placement.mesh):
             batch, feed_tokens, image_table = jax.device_put((batch, feed_tokens, image_table), placement.replicated)
             logits, pools = placement.step(params, cfg, pools, batch, feed_tokens, decode, image_table)
-    tokens, logprobs, feed_out = sample_logits(logits, batch, feed_tokens, mode, placement)
+    tokens, logprobs, feed_out = sample_logits(logits, batch, feed_tokens, mode, placement, executables)
     return StepOutput(tokens, logprobs, feed_out, logits if return_logits else None), pools
 
 
@@ -409,11 +442,15 @@ def _sample_args(batch: Batch) -> tuple:
 
 
 def sample_logits(logits: jax.Array, batch: Batch, feed_tokens: jax.Array, mode: str,
-                  placement: Placement | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                  placement: Placement | None = None,
+                  executables: Executables | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(tokens, logprobs, feed_out) of ``batch``'s rows from a step's ``logits``, through the sampler
     program of ``mode`` (``sampler.sample_mode(batch.temperature)`` unless a caller knows better);
     ``feed_tokens`` is donated. Under a placement it runs on the replicated logits under the mesh,
     its inputs committed replicated as the step's are (``lower_sample`` lowers exactly this call)."""
+    exe = None if executables is None or placement is not None else executables.sample.get((logits.shape[0], mode))
+    if exe is not None:
+        return exe(logits, feed_tokens, *_sample_args(batch))
     if placement is None:
         return sampler.sample_step(logits, feed_tokens, *_sample_args(batch), mode)
     with jax.set_mesh(placement.mesh):
@@ -444,7 +481,7 @@ def compile_count() -> int:
 
 
 def warmup(params, cfg: ModelConfig, pools: Pools, buckets: Buckets, programs=None,
-           placement: Placement | None = None) -> Pools:
+           placement: Placement | None = None, executables: Executables | None = None) -> Pools:
     """Run each of ``programs`` (default: all of ``buckets.programs()``) once on all-padding batches,
     compiling those not compiled yet (``startup.compile_programs`` compiles them ahead of time, so
     then this only runs them): they write nothing but the null page / null slot, so live pools are safe
@@ -454,10 +491,10 @@ def warmup(params, cfg: ModelConfig, pools: Pools, buckets: Buckets, programs=No
     for T, B, S, decode in programs or buckets.programs():
         batch = padding_batch(T, B, S, buckets.pages_per_seq, decode)
         out, pools = step(params, cfg, pools, batch, feed_tokens=feed_buffer(buckets.seqs[-1]), return_logits=True,
-                          placement=placement)
+                          placement=placement, executables=executables)
         if B not in seen:  # the same logits through the other sampler program
             seen.add(B)
-            sample_logits(out.logits, batch, feed_buffer(buckets.seqs[-1]), sampler.FULL, placement)
+            sample_logits(out.logits, batch, feed_buffer(buckets.seqs[-1]), sampler.FULL, placement, executables)
     jax.block_until_ready(pools)
     return pools
 
@@ -520,9 +557,11 @@ class DeviceExecutor:
     ``Batch`` (``launch``), ``"reset"`` with None (``reset``). Followers replay each with the same
     call, so every process runs the same programs on the same inputs in the same order."""
 
-    def __init__(self, params, cfg: ModelConfig, pools: Pools, buckets: Buckets, placement: Placement | None = None):
+    def __init__(self, params, cfg: ModelConfig, pools: Pools, buckets: Buckets, placement: Placement | None = None,
+                 executables: Executables | None = None):
         self.params, self.cfg, self.pools, self.buckets = params, cfg, pools, buckets
         self.placement = placement
+        self.executables = executables  # ahead-of-time programs (None: every step through jit)
         self.announce = None  # Callable[[str, Batch | None], None], or None in a single process
         self._pool_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), pools)
         self._feed = feed_buffer(buckets.seqs[-1])  # every bucket has at most max_seqs rows
@@ -554,7 +593,7 @@ class DeviceExecutor:
         if self.announce is not None:
             self.announce("step", batch)
         out, self.pools = step(self.params, self.cfg, self.pools, batch, feed_tokens=self._feed,
-                               image_table=image_table, placement=self.placement)
+                               image_table=image_table, placement=self.placement, executables=self.executables)
         self._feed = out.feed_tokens
         return out
 

@@ -25,7 +25,9 @@ program compiled twice when the pools come from a budget; with explicit pool siz
 
 Cache (``enable_compile_cache``). JAX's persistent compilation cache keeps executables on disk
 (default ``~/.cache/jaxserve/xla``; ``JAXSERVE_COMPILE_CACHE=DIR`` or ``off``), so a second start
-of the same model and limits loads its programs instead of compiling them.
+of the same model and limits loads its programs instead of compiling them. Beside it the program
+store (``program_store.py``, ``<cache>-programs``) keeps the compiled programs themselves: a restart
+loads those without tracing or lowering anything (one device; a mesh uses the cache alone).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from jaxserve import sampler
 from jaxserve.config import ModelConfig
 from jaxserve.engine import runner
 from jaxserve.engine.pools import PoolPlan, minimal_pool_bytes, plan_pools
+from jaxserve.engine.program_store import ProgramStore, describe_args
 from jaxserve.engine.runner import Buckets
 from jaxserve.models.decoder import Pools, pool_shapes
 
@@ -212,23 +215,51 @@ class StepCompiler:
     """Ahead-of-time compiles of one model's step programs (``runner.lower_step``) and of the
     sampler programs that follow them (``runner.lower_sample``). Under a
     ``placement`` (a model split over a mesh) every byte count is one device's: XLA's memory
-    analysis of a sharded program is per device, and so are the budget and the plan."""
+    analysis of a sharded program is per device, and so are the budget and the plan.
 
-    def __init__(self, params, cfg: ModelConfig, buckets: Buckets, placement: runner.Placement | None = None):
+    With a ``store`` (``program_store.ProgramStore``; one device only) each program is first looked
+    up there and, when compiled, saved there: a restart loads it without tracing or lowering.
+    ``keep`` (``runner.Executables``), when given to ``compile`` / ``compile_sample``, receives the
+    executable: the serving step then calls it directly."""
+
+    def __init__(self, params, cfg: ModelConfig, buckets: Buckets, placement: runner.Placement | None = None,
+                 store: ProgramStore | None = None):
         self.params, self.cfg, self.buckets = runner._abstract(params), cfg, buckets
         self.placement = placement
+        self.store = store if placement is None else None
         self.param_bytes = _nbytes(params, None if placement is None else placement.params)
 
-    def compile(self, program, pools: Pools) -> StepMemory | None:
-        """Compile ``program`` against pools of ``pools``' shapes (arrays or ``ShapeDtypeStruct``s)."""
+    def _describe(self, kind: str, program, pools: Pools | None = None) -> str:
+        """The program's part of its store key: everything its lowering reads beside the code."""
+        text = (f"{kind} {program!r}\n{self.cfg!r}\npages_per_seq={self.buckets.pages_per_seq} "
+                f"feed={self.buckets.seqs[-1]}\n{describe_args(self.params)}")
+        return text if pools is None else f"{text}\n{describe_args(pools)}"
+
+    def executable(self, program, pools: Pools) -> jax.stages.Compiled:
+        """The step program ``program`` for pools of ``pools``' shapes (arrays or ``ShapeDtypeStruct``s)."""
+        def lower():
+            return runner.lower_step(self.params, self.cfg, pools, self.buckets, program, self.placement)
+        if self.store is None:
+            return lower().compile()
+        return self.store.get_or_compile(self._describe("step", program, pools), lower)
+
+    def compile(self, program, pools: Pools, keep: runner.Executables | None = None) -> StepMemory | None:
+        """Compile (or load) ``program`` against pools of ``pools``' shapes; its memory need."""
         t0 = time.perf_counter()
-        compiled = runner.lower_step(self.params, self.cfg, pools, self.buckets, program, self.placement).compile()
+        compiled = self.executable(program, pools)
+        if keep is not None:
+            keep.step[program] = compiled
         pool_bytes = _nbytes(pools, None if self.placement is None else self.placement.pools)
         return step_memory(compiled, program, self.param_bytes, pool_bytes, time.perf_counter() - t0)
 
-    def compile_sample(self, program: tuple[int, str]) -> None:
-        """Compile the sampler program ``program`` = (B, mode) (``Buckets.sample_programs()``)."""
-        runner.lower_sample(self.cfg, self.buckets, program, self.placement).compile()
+    def compile_sample(self, program: tuple[int, str], keep: runner.Executables | None = None) -> None:
+        """Compile (or load) the sampler program ``program`` = (B, mode) (``Buckets.sample_programs()``)."""
+        def lower():
+            return runner.lower_sample(self.cfg, self.buckets, program, self.placement)
+        compiled = (lower().compile() if self.store is None else
+                    self.store.get_or_compile(self._describe("sample", program), lower))
+        if keep is not None:
+            keep.sample[program] = compiled
 
 
 def default_compile_workers() -> int:
@@ -241,11 +272,12 @@ def default_compile_workers() -> int:
 
 
 def compile_programs(compiler: StepCompiler, pools: Pools, programs: Sequence, *, samples: Sequence = (),
-                     workers: int = 1, progress: bool = True) -> list[StepMemory | None]:
+                     workers: int = 1, progress: bool = True,
+                     keep: runner.Executables | None = None) -> list[StepMemory | None]:
     """Compile every step program of ``programs`` against ``pools``' shapes, then every sampler
     program of ``samples`` (``Buckets.sample_programs()``), ``workers`` at a time (XLA compiles
     outside the GIL), with one progress bar on stderr over both. Returns the step programs' memory,
-    in order."""
+    in order; ``keep`` receives every executable."""
     from tqdm import tqdm
 
     desc = f"compiling {len(programs)} step programs" + (f" and {len(samples)} sampler programs" if samples else "")
@@ -262,8 +294,8 @@ def compile_programs(compiler: StepCompiler, pools: Pools, programs: Sequence, *
             with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxserve-compile") as ex:
                 return list(ex.map(partial(one, compile_one), items))
 
-        mems = each(lambda program: compiler.compile(program, pools), programs)
-        each(compiler.compile_sample, samples)
+        mems = each(lambda program: compiler.compile(program, pools, keep), programs)
+        each(lambda program: compiler.compile_sample(program, keep), samples)
         return mems
 
 

@@ -12,11 +12,13 @@
   ``"pallas"`` would run them, and jnp for the rest; with the prefix ``"interpret:"`` (e.g.
   ``"interpret:prefill_fused"``) the listed kernels run in interpret mode.
 
-Two names are two implementations of one backend, the chunked delta rule of prefill steps:
-``gdn_prefill`` (XLA UT transform + the recurrence kernel, ``pallas_kernels/gdn_chunked.py``) and
-``prefill_fused`` (the whole chunk in one kernel: ``gdn_chunk_fused`` for GDN layers,
-``kda_chunk_fused`` for KDA layers). ``prefill_fused`` is ``BY_NAME_ONLY``: ``"pallas"`` keeps the
-device-checked ``gdn_prefill``, and a list naming both is an error (``validate``).
+Three names are three implementations of one backend, the chunked delta rule of prefill steps:
+``gdn_prefill`` (XLA UT transform + the recurrence kernel, ``pallas_kernels/gdn_chunked.py``),
+``prefill_prep`` (the UT transform by a kernel parallel over the chunks, ``gdn_chunk_prep``, then the
+same recurrence kernel; GDN layers only, bf16 operands on the GPU) and ``prefill_fused`` (the whole
+chunk in one kernel: ``gdn_chunk_fused`` for GDN layers, ``kda_chunk_fused`` for KDA layers).
+``prefill_prep`` and ``prefill_fused`` are ``BY_NAME_ONLY``: ``"pallas"`` keeps the device-checked
+``gdn_prefill``, and a list naming two of them is an error (``validate``).
 
 ``AUTO_ON_GPU`` lists a kernel only once its current version has passed ``benchmarks/gpu_check.py``
 on an H200 or H100 and (the mixer kernels) run the engine hammer with hit == cold (``scripts/device/verify_kernels.sh``;
@@ -26,7 +28,8 @@ checked on the device. Kernel names: ``gdn_decode``, ``gdn_prefill``, ``paged_at
 grouped GEMM over the experts the tokens use, and a gather path for a few tokens,
 ``pallas_kernels/moe.py``), ``prefill_fused`` (above; passed ``gpu_check --suites gdn_fused,kda_fused`` and the fp32 engine
 hammer on the H100, but slower than ``gdn_prefill`` except on ragged 64k-token batches, so not in
-``AUTO_ON_GPU``: benchmarks/RESULTS.md), ``linear`` (a decode
+``AUTO_ON_GPU``: benchmarks/RESULTS.md), ``prefill_prep`` (above; interpret-mode tests and the sm_90
+lowering only: ``gpu_check --suites gdn_prep`` is owed), ``linear`` (a decode
 step's dense projections that it tiles, up to 64 rows, one device: ``pallas_kernels/linear_small.py``;
 passed ``gpu_check --suites linear`` on the H100, 60 / 60, and takes the real-size qwen3_5_moe's
 batch-1 decode step from 5.10 to 3.78 ms: benchmarks/RESULTS.md).
@@ -38,7 +41,7 @@ import jax
 
 from jaxserve.config import ModelConfig
 
-KERNELS = ("gdn_decode", "gdn_prefill", "paged_attention", "conv1d", "moe", "prefill_fused", "linear")
+KERNELS = ("gdn_decode", "gdn_prefill", "paged_attention", "conv1d", "moe", "prefill_fused", "prefill_prep", "linear")
 # 2026-12-02: gpu_check 26/26 on the H200, the engine hammer with the GDN kernels in
 # fp32 (hit == cold) and with every kernel in bf16; speeds in benchmarks/RESULTS.md. conv1d joined
 # 2026-12-03: gpu_check 7/7 (final and x64 snapshot conv states bit-exact, outputs
@@ -58,9 +61,9 @@ AUTO_ON_GPU: frozenset[str] = frozenset({"gdn_decode", "gdn_prefill", "paged_att
 # Run only where named in a list (not under "pallas"): alternatives to a kernel "pallas" already runs,
 # and linear, which is no mixer kernel: "pallas-interpret" (the engine's interpret-mode kernel cases)
 # keeps testing the mixers without interpreting every projection of the model too.
-BY_NAME_ONLY: frozenset[str] = frozenset({"prefill_fused", "linear"})
+BY_NAME_ONLY: frozenset[str] = frozenset({"prefill_fused", "prefill_prep", "linear"})
 # Names of which a list may hold one: implementations of the same backend.
-EXCLUSIVE: tuple[frozenset[str], ...] = (frozenset({"gdn_prefill", "prefill_fused"}),)
+EXCLUSIVE: tuple[frozenset[str], ...] = (frozenset({"gdn_prefill", "prefill_fused", "prefill_prep"}),)
 CHOICES = ("auto", "jnp", "pallas", "pallas-interpret")
 INTERPRET_PREFIX = "interpret:"
 

@@ -37,7 +37,8 @@ from jaxserve.config import ModelConfig
 from jaxserve.models import backends
 from jaxserve.models.layers import Ragged, gated_rms_norm, linear
 from jaxserve.parallel.layout import split_shards
-from pallas_kernels import conv1d, first_of_each, gdn_chunk_fused, gdn_chunked, gdn_decode, gdn_reference, kda_chunk_fused
+from pallas_kernels import (conv1d, first_of_each, gdn_chunk_fused, gdn_chunk_prep, gdn_chunked, gdn_decode, gdn_reference,
+                            kda_chunk_fused)
 from pallas_kernels.conv1d_reference import causal_conv1d_prefill, causal_conv1d_update
 from pallas_kernels.gdn_reference import gdn_recurrent
 from pallas_kernels.kda_reference import kda_chunked, kda_recurrent
@@ -167,6 +168,9 @@ def _chunked_rule(cfg: ModelConfig):
         return functools.partial(fused, matmul_dtype=FUSED_MATMUL_DTYPE[interpret], interpret=interpret)
     if kernel == "gdn_prefill":
         return functools.partial(gdn_chunked.gdn_chunked_pallas, interpret=interpret)
+    if kernel == "prefill_prep":
+        return functools.partial(gdn_chunked.gdn_chunked_pallas, prep="kernel", matmul_dtype=FUSED_MATMUL_DTYPE[interpret],
+                                 interpret=interpret)
     return kda_chunked if cfg.kda else gdn_reference.gdn_chunked
 
 
@@ -185,7 +189,7 @@ FUSED_MATMUL_DTYPE = {False: jnp.bfloat16, True: jnp.float32}
 
 def prefill_kernel(cfg: ModelConfig) -> str | None:
     """Static: the kernel of the chunked delta rule of prefill steps (``backends``): ``"prefill_fused"``
-    (only where named), ``"gdn_prefill"`` or None (jnp). An explicit choice whose kernel cannot take
+    or ``"prefill_prep"`` (only where named; the latter GDN only), ``"gdn_prefill"`` or None (jnp). An explicit choice whose kernel cannot take
     the layer's head dims raises here. ``gdn_prefill``'s fp32 products run as tf32, so ``auto`` leaves
     it out under full-fp32 matmul precision. The fused KDA kernel keeps its accuracy for log-decays
     down to -10 per token and channel (``kda_chunk_fused``); naming it accepts that."""
@@ -195,6 +199,9 @@ def prefill_kernel(cfg: ModelConfig) -> str | None:
     if backends.use_kernel(cfg, "prefill_fused", fused.supports(dk, dv, mm, interpret),
                            f"dk={dk}, dv={dv} with {jnp.dtype(mm).name} operands"):
         return "prefill_fused"
+    if backends.use_kernel(cfg, "prefill_prep", not cfg.kda and not gdn_chunk_prep.tiling_problems(dk, dv, mm, interpret),
+                           f"{'KDA' if cfg.kda else 'GDN'} dk={dk}, dv={dv} with {jnp.dtype(mm).name} operands"):
+        return "prefill_prep"
     full_fp32 = str(jax.config.jax_default_matmul_precision).lower() in ("highest", "float32")
     if backends.use_kernel(cfg, "gdn_prefill", gdn_chunked.supports(dk, dv), f"dk={dk}, dv={dv}",
                            auto_ok=not full_fp32):

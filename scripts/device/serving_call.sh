@@ -23,6 +23,8 @@
 #            real run's steps), $OUT/sim-samples.json (the calibration's steps); give it CALL_LIMIT >= 450 on a cold machine
 #   load     the checkpoint's load time, weights.load_model against the host layout it replaced
 #            (benchmarks/load_time.py; $OUT/load.json)
+#   store    the program store on this GPU (benchmarks/program_store_check.py, the default model: fresh compile,
+#            JAX's cache, the store; and again with --reserialize: do cache-loaded executables store whole here?)
 #   e2e      jaxserve serve + jaxserve bench rows (benchmarks/e2e.py), serve flags in $SERVE_ARGS
 # Needs the HTTP wheels for e2e: ../shared/tools/device-wheels.sh httpx httpcore h11 certifi idna; carry .whl.
 #   PARTS=moe,decode bash scripts/device/serving_call.sh
@@ -118,6 +120,13 @@ if [[ $parts == *,sim,* ]]; then
     > "$OUT/sim-validate.log" 2>&1
   echo "sim validate rc=$?"; tr '\r' '\n' < "$OUT/sim-validate.log" | grep -a "step programs in\|calibrated" | cut -c1-300
   tail -12 "$OUT/sim-validate.log" | cut -c1-400
+fi
+if [[ $parts == *,store,* ]]; then
+  for flag in "" --reserialize; do
+    timeout 300 python3 benchmarks/program_store_check.py $flag --out "$OUT/store${flag:+-reserialize}.json" \
+      > "$OUT/store${flag}.log" 2>&1
+    echo "store check ${flag:-plain} rc=$?"; tail -4 "$OUT/store${flag}.log" | cut -c1-300
+  done
 fi
 if [[ $parts == *,e2e,* ]]; then
   # shellcheck disable=SC2086

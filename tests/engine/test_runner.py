@@ -32,7 +32,7 @@ from weights.random_checkpoint import write_random_checkpoint
 
 MODELS = [("qwen3_5", "dense"), ("qwen3_next", "moe"), ("qwen3", "base"), ("kimi_linear", "moe"),
           ("kernel", "gdn_decode"), ("kernel", "kda"), ("kernel", "gdn_fused"), ("kernel", "kda_fused"),
-          ("kernel", "linear")]
+          ("kernel", "gdn_prep"), ("kernel", "linear")]
 # ("kernel", "gdn_decode"): a random qwen3_5 whose shapes fit the Mosaic GPU kernels' tiling (GDN dk =
 # dv = 64; attention head dim 64), run with cfg.kernels="pallas-interpret": the GDN chunked prefill
 # kernel on prefill steps, the GDN decode kernel on decode steps, the conv1d kernels (prefill and
@@ -62,10 +62,12 @@ KDA_KERNEL_CONFIG = {
 }
 # case -> (config, cfg.kernels). The *_fused cases run only the fused whole-chunk prefill kernels
 # (gdn_chunk_fused / kda_chunk_fused, backends' "prefill_fused") in interpret mode, jnp elsewhere
-# (kda_fused with its decay rates set to 1: ``_gentle_gates``).
+# (kda_fused with its decay rates set to 1: ``_gentle_gates``); gdn_prep the GDN prefill with its
+# intra-chunk terms by gdn_chunk_prep (backends' "prefill_prep").
 KERNEL_CASES = {"gdn_decode": (KERNEL_CONFIG, "pallas-interpret"), "kda": (KDA_KERNEL_CONFIG, "pallas-interpret"),
                 "gdn_fused": (KERNEL_CONFIG, "interpret:prefill_fused"),
                 "kda_fused": (KDA_KERNEL_CONFIG, "interpret:prefill_fused"),
+                "gdn_prep": (KERNEL_CONFIG, "interpret:prefill_prep"),
                 # decode steps' projections and every step's LM head through pallas_kernels/linear_small
                 "linear": ({**KERNEL_CONFIG, "tie_word_embeddings": False}, "interpret:linear")}
 PAGE = 16

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ import pytest
 
 from jaxserve import sampler
 from jaxserve.engine import llm as llm_mod
-from jaxserve.engine import runner, startup
+from jaxserve.engine import program_store, runner, startup
 from jaxserve.engine.pools import MiB, minimal_pool_bytes, page_bytes, plan_pools, slot_bytes
 from jaxserve.models.params import abstract_params
 from jaxserve.sampling_params import SamplingParams
@@ -300,20 +301,28 @@ LLM(sys.argv[1], dtype="float32", max_prefill_length=64, max_running_requests=2,
 """
 
 
-def test_a_second_start_loads_every_program_from_the_cache(tiny, tmp_path):
-    """Two start-ups of the same model and limits in fresh processes: the first compiles and writes
-    the cache, the second loads every step program from it."""
+def test_a_restart_loads_every_program_ready_made(tiny, tmp_path):
+    """Start-ups of the same model and limits in fresh processes: the first compiles, writing JAX's
+    cache and the program store; the second loads every step program from the store (nothing
+    traced, lowered or compiled); with the store gone, the third loads them from JAX's cache (and
+    does not store those again: program_store.RESERIALIZES)."""
     cache = tmp_path / "xla"
+    pattern = (r"compiled (\d+) step programs in [\d.]+s \((\d+) ready-made from the program store, "
+               r"(\d+) loaded from the compile cache\)")
 
-    def start() -> tuple[int, int]:
+    def start() -> tuple[int, int, int]:
         proc = subprocess.run([sys.executable, "-c", _START, str(tiny), str(cache)], capture_output=True, text=True,
                               timeout=600, cwd=REPO)
         assert proc.returncode == 0, proc.stderr
         assert f"compile cache {cache}" in proc.stderr
-        m = re.search(r"compiled (\d+) step programs in [\d.]+s \((\d+) loaded from the compile cache\)", proc.stderr)
+        m = re.search(pattern, proc.stderr)
         assert m, proc.stderr
-        return int(m.group(1)), int(m.group(2))
+        return int(m.group(1)), int(m.group(2)), int(m.group(3))
 
-    programs, loaded = start()
-    assert programs == 6 and loaded == 0 and any(cache.iterdir())  # 2 mixed, decode (1, 2) x S (0, B)
-    assert start() == (programs, programs)
+    programs, stored, loaded = start()
+    assert programs == 6 and stored == loaded == 0 and any(cache.iterdir())  # 2 mixed, decode (1, 2) x S (0, B)
+    store = program_store.store_dir(cache)
+    assert len(list(store.glob("*/*.bin"))) == programs + 4  # and the sampler programs of B = 1, 2
+    assert start() == (programs, programs, 0)
+    shutil.rmtree(store)
+    assert start() == (programs, 0, programs)

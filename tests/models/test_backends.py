@@ -86,6 +86,16 @@ def test_prefill_kernel_choice_for_gdn_and_kda_layers(kda):
             pick(kernels, linear_key_head_dim=32)
     with pytest.raises(ValueError, match="does not take dk=128, dv=96 with float32 operands"):
         pick("interpret:prefill_fused", linear_value_head_dim=96)
+    # prefill_prep: GDN layers only; never under "pallas"; one of the three per list
+    if kda:
+        with pytest.raises(ValueError, match="the prefill_prep kernel does not take KDA"):
+            pick("interpret:prefill_prep")
+    else:
+        assert pick("prefill_prep") == pick("interpret:prefill_prep,conv1d") == "prefill_prep"
+        with pytest.raises(ValueError, match="the prefill_prep kernel does not take GDN dk=32"):
+            pick("prefill_prep", linear_key_head_dim=32)
+    with pytest.raises(ValueError, match="implement the same backend"):
+        pick("gdn_prefill,prefill_prep")
 
 
 def test_auto_on_a_gpu_takes_verified_kernels_unless_less_precise(monkeypatch):
