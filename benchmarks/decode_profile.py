@@ -287,6 +287,10 @@ def main() -> None:
                     help="the engine's stacked layout (EngineArgs.scan_layers); --no-scan-layers: the layers as a list")
     ap.add_argument("--one-row-programs", action=argparse.BooleanOptionalAction, default=True,
                     help="EngineArgs.one_row_programs: a prompt alone in its step runs the one-row program")
+    ap.add_argument("--compile-all", action=argparse.BooleanOptionalAction, default=False,
+                    help="compile every program at build (EngineArgs.compile_all, as the server does): the steps "
+                         "then call those executables directly (runner.Executables) instead of jax.jit; only "
+                         "the first --kernels setting has them")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new", type=int, default=128, help="tokens generated per request")
     ap.add_argument("--forced-steps", type=int, default=0,
@@ -305,7 +309,8 @@ def main() -> None:
     t0 = time.time()
     engine = build_engine(EngineArgs(model=str(args.ckpt), dtype="bfloat16", max_running_requests=32,
                                      max_prefill_length=4096, num_pages=4096, num_slots=96, kernels=settings[0],
-                                     scan_layers=args.scan_layers, one_row_programs=args.one_row_programs))
+                                     scan_layers=args.scan_layers, one_row_programs=args.one_row_programs,
+                                     compile_all=args.compile_all))
     log(f"built in {time.time() - t0:.0f}s on {jax.devices()[0].device_kind}")
     res = {"device": jax.devices()[0].device_kind, "settings": settings, "scan_layers": args.scan_layers,
            "one_row_programs": args.one_row_programs,
