@@ -324,10 +324,14 @@ def main() -> None:
         log(f"forced agreement: {json.dumps(res['forced_agreement'])[:2000]}")
         args.out.write_text(json.dumps(res, indent=1))
     for n in [int(x) for x in args.prefill_lens.split(",") if x]:
-        bd = prefill_breakdown(engine, n, seed=300 + n, hlo_out=args.out.with_name(f"{args.out.stem}-prefill{n}.hlo.txt"))
-        res["breakdown"][f"{settings[0]} prefill {n}"] = bd
-        log(f"prefill {n}: {json.dumps(bd, indent=1)[:4000]}")
-        args.out.write_text(json.dumps(res, indent=1))
+        for k, kernels in enumerate(settings):  # every setting's prefill (other settings: jit programs)
+            engine.executor.cfg = dataclasses.replace(base_cfg, kernels=kernels)
+            bd = prefill_breakdown(engine, n, seed=300 + n,
+                                   hlo_out=args.out.with_name(f"{args.out.stem}-prefill{n}-{k}.hlo.txt"))
+            res["breakdown"][f"{kernels} prefill {n}"] = bd
+            log(f"{kernels} prefill {n}: {json.dumps(bd, indent=1)[:4000]}")
+            args.out.write_text(json.dumps(res, indent=1))
+        engine.executor.cfg = base_cfg
     for b in [int(x) for x in args.batches.split(",") if x]:  # batch outermost: a cut-short run still compares settings
         for k, kernels in enumerate(settings):
             engine.executor.cfg = dataclasses.replace(base_cfg, kernels=kernels)  # static under jit: new programs

@@ -10,8 +10,9 @@
 #   moe      the MoE kernel's GPU check and timings (pallas_kernels/moe.py)
 #   decode   in-process decode tok/s (sync vs overlapped loop) and a per-kernel breakdown, each kernel
 #            named by its JAX ops (benchmarks/decode_profile.py; the programs' HLO in $OUT/decode-hlo.tgz), with $KERNELS (default auto) at $BATCHES (default 1,32);
-#            (BATCHES= for none) and the cold prefill steps of $PREFILL_LENS (e.g. 512,2048) first; more flags in $DECODE_ARGS
-#            (e.g. --no-scan-layers);
+#            (BATCHES= for none) and the cold prefill steps of $PREFILL_LENS (e.g. 512,2048) first, for every setting of
+#            $KERNELS (';'-separated); more flags in $DECODE_ARGS (e.g. --no-scan-layers, --compile-all: the server's
+#            ahead-of-time executables);
 #            it gets the call's time left (CALL_LIMIT, default 590 s) less $E2E_RESERVE
 #   linear   the decode-step dense projections' timings (pallas_kernels/linear_small.py vs XLA's dot; checked by
 #            the check part when CHECK_SUITES names linear)
