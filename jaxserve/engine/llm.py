@@ -165,26 +165,52 @@ def _compile_all(args: EngineArgs, compiler: startup.StepCompiler, loaded: Calla
     the largest steps have run for real before the port opens (on a GPU that costs seconds). On a
     CPU only the smallest of each kind: enough to prove the ahead-of-time executables are the ones
     ``step`` runs (a step or sampler compile during the warm-up would mean they are not), where running the
-    8192-token step of even the 7 M-parameter default model takes many seconds."""
+    8192-token step of even the 7 M-parameter default model takes many seconds.
+
+    A warm-up that fails while programs came from the program store drops the store's programs of
+    this build (``ProgramStore.clear``), compiles every program again and runs the warm-up once
+    more: a stored program that no longer runs (a platform that did not keep all of it) costs that
+    start its speed, never the start itself."""
     cfg, buckets = compiler.cfg, memory.buckets
     programs, samples = buckets.programs(), buckets.sample_programs()
     t0, hits0 = time.perf_counter(), startup.step_cache_hits()
     stored0 = 0 if compiler.store is None else compiler.store.loaded["step"]
-    executables = Executables(cfg)
-    mems = startup.compile_programs(compiler, startup.pool_structs(cfg, dtype, plan), programs, samples=samples,
-                                    workers=args.compile_workers or startup.default_compile_workers(),
-                                    progress=args.progress, keep=executables)
-    hits, t1 = startup.step_cache_hits() - hits0, time.perf_counter()
-    params = loaded()
     placement = compiler.placement
-    pools = init_pools(plan, cfg, dtype, None if placement is None else placement.pools)
-    before = startup.step_compiles() + startup.sample_compiles()
     run = programs if memory.reserve_bytes else [next(p for p in programs if p[3] == kind) for kind in (False, True)]
-    pools = warmup(params, cfg, pools, buckets, programs=run, placement=placement, executables=executables)
+
+    def compile_all() -> tuple[Executables, list]:
+        keep = Executables(cfg)
+        mems = startup.compile_programs(compiler, startup.pool_structs(cfg, dtype, plan), programs, samples=samples,
+                                        workers=args.compile_workers or startup.default_compile_workers(),
+                                        progress=args.progress, keep=keep)
+        return keep, mems
+
+    executables, mems = compile_all()
+    hits, t1 = startup.step_cache_hits() - hits0, time.perf_counter()
+    stored = None if compiler.store is None else compiler.store.loaded["step"] - stored0
+    params = loaded()
+    before = startup.step_compiles() + startup.sample_compiles()
+    pools = init_pools(plan, cfg, dtype, None if placement is None else placement.pools)
+    try:
+        pools = warmup(params, cfg, pools, buckets, programs=run, placement=placement, executables=executables)
+    except Exception as e:  # noqa: BLE001 - only a stored program is forgiven: anything else is re-raised
+        if compiler.store is None or not sum(compiler.store.loaded.values()):
+            raise
+        _log(args, f"WARNING: the warm-up failed with programs from the program store ({e!r}); dropping them "
+                   f"({compiler.store.dir}) and compiling every program")
+        compiler.store.clear()
+        for x in jax.tree.leaves(pools):
+            if not x.is_deleted():
+                x.delete()
+        hits0 = startup.step_cache_hits()
+        executables, mems = compile_all()
+        hits, stored = startup.step_cache_hits() - hits0, 0
+        pools = warmup(params, cfg, init_pools(plan, cfg, dtype, None if placement is None else placement.pools),
+                       buckets, programs=run, placement=placement, executables=executables)
     again = startup.step_compiles() + startup.sample_compiles() - before
     largest = max((m for m in mems if m is not None), key=lambda m: m.need_bytes, default=None)
-    stored = "" if compiler.store is None else f"{compiler.store.loaded['step'] - stored0} ready-made from the program store, "
-    msg = (f"compiled {len(programs)} step programs in {t1 - t0:.1f}s ({stored}{hits} loaded from the compile cache) and "
+    msg = (f"compiled {len(programs)} step programs in {t1 - t0:.1f}s ("
+           f"{'' if stored is None else f'{stored} ready-made from the program store, '}{hits} loaded from the compile cache) and "
            f"{len(samples)} sampler programs, ran {'each' if run == programs else f'{len(run)} of them'} once in "
            f"{time.perf_counter() - t1:.1f}s")
     if largest is not None:

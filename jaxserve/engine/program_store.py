@@ -154,6 +154,14 @@ class ProgramStore:
         with self._lock:
             self.saved += 1
 
+    def clear(self) -> None:
+        """Drop every program of this identity (the next load of each is a miss) and forget that any
+        was loaded."""
+        for entry in self.dir.glob("*.bin"):
+            entry.unlink(missing_ok=True)
+        with self._lock:
+            self.loaded.clear()
+
     def get_or_compile(self, description: str, lower) -> jax.stages.Compiled:
         """The stored executable of ``description``, else ``lower().compile()`` (then stored, unless
         the persistent cache served it on a platform that cannot re-serialize it)."""

@@ -21,6 +21,7 @@ import pytest
 from jaxserve.engine import program_store, runner, startup
 from jaxserve.engine import llm as llm_mod
 from jaxserve.engine.pools import plan_pools
+from jaxserve.sampling_params import SamplingParams
 from tests.engine.test_startup import tiny  # noqa: F401 - the fixture
 from weights import load_model
 
@@ -169,3 +170,37 @@ def test_an_unwritable_store_is_no_store_and_no_failure(setup, tmp_path, capsys)
         (32, 1, 1, False), startup.pool_structs(model.config, jnp.float32, plan))
     assert mem.temp_bytes > 0 and store.saved == 0
     assert "not storing a program" in capsys.readouterr().err
+
+
+def test_a_stored_program_that_fails_at_warm_up_is_dropped_and_compiled(tiny, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """Engines built in this process with a store (JAX's cache is off here, so every compile is
+    fresh and stored): the second loads every program ready-made; when its warm-up fails (as a
+    program a platform did not keep whole would), the store's programs are dropped, everything is
+    compiled again and the engine serves what the first one does."""
+    monkeypatch.setattr(program_store, "store_dir", lambda cache: tmp_path / "store")
+    kw = dict(dtype="float32", max_prefill_length=64, max_running_requests=2, compile_all=True, progress=True,
+              one_row_programs=False)
+    prompts = [[3, 4, 5, 6, 7], list(range(20, 90))]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    first = llm_mod.LLM(str(tiny), **kw)
+    want = [o.output_ids for o in first.generate(prompts, greedy)]
+    assert "0 ready-made from the program store" in capsys.readouterr().err
+
+    real, calls = llm_mod.warmup, []
+
+    def failing_once(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("INTERNAL: a stored program lost a function")
+        return real(*a, **k)
+
+    monkeypatch.setattr(llm_mod, "warmup", failing_once)
+    second = llm_mod.LLM(str(tiny), **kw)
+    err = capsys.readouterr().err
+    assert "the warm-up failed with programs from the program store" in err and len(calls) == 2
+    assert "0 ready-made from the program store" in err  # the programs were compiled again
+    assert [o.output_ids for o in second.generate(prompts, greedy)] == want
+    monkeypatch.setattr(llm_mod, "warmup", real)
+    third = llm_mod.LLM(str(tiny), **kw)  # the compiles of the second start were stored again
+    assert "6 ready-made from the program store" in capsys.readouterr().err
+    assert [o.output_ids for o in third.generate(prompts, greedy)] == want
