@@ -150,24 +150,26 @@ def load_initial_state(src, bar):
     return pl.run_scoped(load, plgpu.SMEM(src.shape, jnp.float32, transforms=_transforms(jnp.float32)))
 
 
-def apply_inverse(t_smem, w_smem, v_smem):
+def apply_inverse(t_smem, w_smem, v_smem, transposed=True):
     """``w = T (beta k e^G)`` and ``uᵀ = (beta v)ᵀ Tᵀ`` from ``T``, ``beta k e^G`` (in ``w_smem``) and
     ``beta v`` in SMEM: ``w`` overwrites its operand once read back (committed); returns ``uᵀ``
-    [64, 64] fp32 in registers."""
-    w, ut = _products(([(t_smem, w_smem)], w_smem.shape), ([(v_smem.T, t_smem.T)], (BLOCK_DV, CHUNK)))
+    [64, 64] fp32 in registers (``transposed=False``: ``u = T (beta v)``, an N-major operand that
+    only 16-bit WGMMA takes on the GPU)."""
+    u_product = ([(v_smem.T, t_smem.T)], (BLOCK_DV, CHUNK)) if transposed else ([(t_smem, v_smem)], (CHUNK, BLOCK_DV))
+    w, u = _products(([(t_smem, w_smem)], w_smem.shape), u_product)
     w_smem[...] = w.astype(w_smem.dtype)
     plgpu.commit_smem()
-    return ut
+    return u
 
 
-def ut_transform(q_s, k_s, v_s, gb_s, t_smem, w_smem, qk_smem, bars, mm_dtype, *,
+def ut_transform(q_s, k_s, v_s, gb_s, t_smem, w_smem, qk_smem, bars, mm_dtype, *, transposed=True,
                  before_inverse=lambda: None, before_commit=lambda: None):
     """One chunk's UT transform on chip, from its q, k ``[64, dk]``, v columns ``[64, 64]`` and
     (g, beta) ``[2, 64]`` in SMEM as TMA delivers them (``bars``: their barriers, in the order gb, q,
     k, v): the decay cumsum ``G``, ``A`` and its blocked inverse ``T`` (into ``t_smem``), the
     causal decayed scores ``qk`` (into ``qk_smem``), ``w = T (beta k e^G)`` (into ``w_smem``), and q,
     k, v rescaled in place to ``q e^G``, ``k e^(G_last - G)`` and ``beta v``. Returns ``uᵀ`` [64, 64]
-    fp32 and ``G_last`` (per row) in registers. ``before_inverse`` runs before the inverse takes its
+    fp32 (``transposed=False``: ``u``) and ``G_last`` (per row) in registers. ``before_inverse`` runs before the inverse takes its
     scoped SMEM, ``before_commit`` before the last writes are committed (the caller's hooks: the
     fused kernel waits for its previous chunk's copies and stages its state there)."""
     dk = q_s.shape[-1]
@@ -212,7 +214,7 @@ def ut_transform(q_s, k_s, v_s, gb_s, t_smem, w_smem, qk_smem, bars, mm_dtype, *
     v_s[...] = (plgpu.load(v_s, layout=tile) * _row(beta_r, (C, BLOCK_DV))).astype(mm_dtype)
     before_commit()
     plgpu.commit_smem()
-    return apply_inverse(t_smem, w_smem, v_s), G_last
+    return apply_inverse(t_smem, w_smem, v_s, transposed), G_last
 
 
 def recurrence(s, ut, decay, s_smem, w_smem, vn_smem, q_smem, qk_smem, k_smem):

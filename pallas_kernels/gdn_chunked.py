@@ -151,10 +151,8 @@ def _products(*groups):
 def _kernel(first_ref, nchunks_ref, slot_ref, dl_ref, init_ref, w_ref, qd_ref, kdt_ref, ut_ref, qk_ref,
             ot_ref, st_ref,
             st_smem, s_smem, w_smem, qd_smem, kd_smem, u_smem, qk_smem, vn_smem, o_smem, g_smem, bars,
-            *, block_dv, per_channel_gate, mm_dtype, kd_token_major=False):
-    """One (sequence, value head, dv tile): walk the sequence's chunks carrying ``Sᵀ`` in registers.
-    ``kd_token_major``: ``k exp(G_last - G)`` comes as ``[C, dk]`` (``gdn_chunk_prep``'s layout; a
-    non-transposed WGMMA operand, 16-bit operands only on the GPU) instead of ``[dk, C]``."""
+            *, block_dv, per_channel_gate, mm_dtype):
+    """One (sequence, value head, dv tile): walk the sequence's chunks carrying ``Sᵀ`` in registers."""
     n = lax.axis_index("n")
     h = lax.axis_index("h")
     j = lax.axis_index("j")
@@ -166,7 +164,6 @@ def _kernel(first_ref, nchunks_ref, slot_ref, dl_ref, init_ref, w_ref, qd_ref, k
     tile = plgpu.Layout.WGMMA
     C = w_smem.shape[0]
     dk = w_smem.shape[1]
-    kd_operand = kd_smem if kd_token_major else kd_smem.T
 
     def issue_w(c):
         plgpu.copy_gmem_to_smem(w_ref.at[c, h], w_smem, w_bar)
@@ -228,7 +225,7 @@ def _kernel(first_ref, nchunks_ref, slot_ref, dl_ref, init_ref, w_ref, qd_ref, k
         plgpu.barrier_wait(qk_bar)
         plgpu.barrier_wait(kd_bar)
         o, kv = _products(([(s_smem, qd_smem.T), (vn_smem, qk_smem.T)], (block_dv, C)),
-                          ([(vn_smem, kd_operand)], (block_dv, dk)))
+                          ([(vn_smem, kd_smem.T)], (block_dv, dk)))
         # S_newᵀ = exp(G_last) Sᵀ + v_newᵀ (k exp(G_last - G))
         if per_channel_gate:
             plgpu.barrier_wait(g_bar)
@@ -261,6 +258,102 @@ def _kernel(first_ref, nchunks_ref, slot_ref, dl_ref, init_ref, w_ref, qd_ref, k
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def _kernel_natural(first_ref, nchunks_ref, slot_ref, dl_ref, init_ref, w_ref, qd_ref, kd_ref, u_ref, qk_ref,
+                    o_ref, st_ref,
+                    st_smem, s_smem, w_smem, qd_smem, kd_smem, u_smem, qk_smem, vn_smem, o_smem, bars,
+                    *, block_dv, mm_dtype):
+    """``_kernel`` for ``gdn_chunk_prep``'s terms (GDN, 16-bit operands on the GPU), carrying the state
+    as it is stored, ``S [dk, block_dv]``, instead of ``Sᵀ``: with 16-bit operands WGMMA takes
+    N-major and transposed SMEM operands, so ``S`` itself can be the accumulator and the initial
+    state, the requested states and ``o`` move in the contract's layouts (no transposes around the
+    kernel). Per chunk::
+
+        v_new = u - w S                               # [64, block_dv]
+        o     = (q e^G) S + qk v_new                  # [64, block_dv]
+        S     = e^(G_last) S + (k e^(G_last - G))ᵀ v_new  # [dk, block_dv]: kd read transposed
+    """
+    n, h, j = (lax.axis_index(axis) for axis in ("n", "h", "j"))
+    c0 = first_ref[n]
+    nc = nchunks_ref[n]
+    num_rows = st_ref.shape[0]
+    cols = pl.ds(j * block_dv, block_dv)
+    init_bar, w_bar, qd_bar, kd_bar, u_bar, qk_bar = (bars.at[i] for i in range(6))
+    tile = plgpu.Layout.WGMMA
+    C, dk = w_smem.shape
+
+    def issue_w(c):
+        plgpu.copy_gmem_to_smem(w_ref.at[c, h], w_smem, w_bar)
+
+    def issue_u(c):
+        plgpu.copy_gmem_to_smem(u_ref.at[c, h, :, cols], u_smem, u_bar)
+
+    def issue_rest(c):
+        plgpu.copy_gmem_to_smem(qd_ref.at[c, h], qd_smem, qd_bar)
+        plgpu.copy_gmem_to_smem(qk_ref.at[c, h], qk_smem, qk_bar)
+        plgpu.copy_gmem_to_smem(kd_ref.at[c, h], kd_smem, kd_bar)
+
+    plgpu.copy_gmem_to_smem(init_ref.at[n, h, :, cols], st_smem, init_bar)
+
+    @pl.when(nc > 0)
+    def _():
+        issue_w(c0)
+        issue_u(c0)
+        issue_rest(c0)
+
+    plgpu.barrier_wait(init_bar)
+    s0 = plgpu.load(st_smem, layout=tile)
+
+    def body(i, s):
+        c = c0 + i
+        more = i + 1 < nc
+        slot = slot_ref[c]  # scalar GMEM loads first: their latency hides behind the WGMMAs
+        snap = slot < num_rows
+        decay = dl_ref[c, h]
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's stores read o / st_smem
+        s_smem[...] = s.astype(mm_dtype)
+        plgpu.commit_smem()
+
+        plgpu.barrier_wait(w_bar)
+        (ws,) = _products(([(w_smem, s_smem)], (C, block_dv)))
+        plgpu.barrier_wait(u_bar)
+        vn_smem[...] = (plgpu.load(u_smem, layout=tile) - ws).astype(mm_dtype)
+        plgpu.commit_smem()  # every thread is done with w and u: the next chunk's may land
+
+        @pl.when(more)
+        def _():
+            issue_w(c + 1)
+            issue_u(c + 1)
+
+        plgpu.barrier_wait(qd_bar)
+        plgpu.barrier_wait(qk_bar)
+        plgpu.barrier_wait(kd_bar)
+        o, kv = _products(([(qd_smem, s_smem), (qk_smem, vn_smem)], (C, block_dv)),
+                          ([(kd_smem.T, vn_smem)], (dk, block_dv)))
+        s_new = decay * s + kv
+        o_smem[...] = o
+
+        @pl.when(snap)
+        def _():
+            st_smem[...] = s_new
+
+        plgpu.commit_smem()
+
+        @pl.when(more)
+        def _():
+            issue_rest(c + 1)
+
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[c, h, :, cols])
+
+        @pl.when(snap)
+        def _():
+            plgpu.copy_smem_to_gmem(st_smem, st_ref.at[slot, h, :, cols])
+
+        return s_new
+
+    lax.fori_loop(0, nc, body, s0)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
 def _layout_requests(layout, cu_seqlens, snapshot_seq, snapshot_len, max_chunks, chunk_size):
     """Requested states (finals then snapshots) -> the chunk whose end holds each, and the output
     row each chunk writes (``R`` = none). Requests for the same chunk share the first one's row."""
@@ -282,17 +375,21 @@ PREP_PRECISIONS = {"highest": lax.Precision.HIGHEST, "default": None}
 PREPS = ("xla", "kernel")  # who computes the intra-chunk terms: XLA (chunk_terms) or gdn_chunk_prep
 
 
-def chunk_kernel(body, scratch, *, num_seqs, num_rows, max_chunks, Hv, dv, dk, block_dv, interpret, name="delta_chunk"):
+def chunk_kernel(body, scratch, *, num_seqs, num_rows, max_chunks, Hv, dv, dk, block_dv, interpret, name="delta_chunk",
+                 transposed=True):
     """The chunked kernels' launch (this module's and ``gdn_chunk_fused`` / ``kda_chunk_fused``): one
     program per (sequence ``n``, value head ``h``, ``block_dv`` state columns ``j``); outputs ``oᵀ``
     on the chunk grid ``[max_chunks, Hv, dv, 64]`` and the compact transposed requested states
-    ``[num_rows, Hv, dv, dk]``, both fp32 (``gather_states`` turns them into the contract's results)."""
+    ``[num_rows, Hv, dv, dk]``, both fp32 (``gather_states`` turns them into the contract's results);
+    with ``transposed=False`` (``_kernel_natural``) ``o [max_chunks, Hv, 64, dv]`` and states
+    ``[num_rows, Hv, dk, dv]``, the contract's own layouts."""
     f32 = jnp.float32
+    o_shape, st_shape = ((max_chunks, Hv, dv, CHUNK), (num_rows, Hv, dv, dk)) if transposed else \
+        ((max_chunks, Hv, CHUNK, dv), (num_rows, Hv, dk, dv))
     return plgpu.kernel(
         body,
         kernel_name=name,
-        out_type=(jax.ShapeDtypeStruct((max_chunks, Hv, dv, CHUNK), f32),
-                  jax.ShapeDtypeStruct((num_rows, Hv, dv, dk), f32)),
+        out_type=(jax.ShapeDtypeStruct(o_shape, f32), jax.ShapeDtypeStruct(st_shape, f32)),
         grid=(num_seqs, Hv, dv // block_dv),
         grid_names=("n", "h", "j"),
         scratch_types=scratch,
@@ -302,13 +399,15 @@ def chunk_kernel(body, scratch, *, num_seqs, num_rows, max_chunks, Hv, dv, dk, b
 
 
 def gather_states(ot, states_t, layout, req_seq, row, initial_state, cu_seqlens, snapshot_seq, snapshot_len,
-                  start_pos):
-    """``chunk_kernel``'s ``oᵀ`` grid and compact transposed states -> ``(o [T, Hv, dv] fp32, final,
-    snapshots)``: requests without a chunk (length 0) take the initial state, unavailable ones NaN."""
+                  start_pos, transposed=True):
+    """``chunk_kernel``'s ``oᵀ`` grid and compact transposed states (``transposed=False``: ``o`` and
+    the states as they are) -> ``(o [T, Hv, dv] fp32, final, snapshots)``: requests without a chunk
+    (length 0) take the initial state, unavailable ones NaN."""
     num_seqs = cu_seqlens.shape[0] - 1
     num_rows = req_seq.shape[0]
-    o = _from_grid(jnp.swapaxes(ot, -1, -2), layout)
-    states = jnp.swapaxes(jnp.take(states_t, jnp.minimum(row, num_rows - 1), axis=0), -1, -2)
+    flip = (lambda x: jnp.swapaxes(x, -1, -2)) if transposed else (lambda x: x)  # noqa: E731
+    o = _from_grid(flip(ot), layout)
+    states = flip(jnp.take(states_t, jnp.minimum(row, num_rows - 1), axis=0))
     states = jnp.where((row < num_rows)[:, None, None, None], states, initial_state[req_seq])
     final, snaps = states[:num_seqs], states[num_seqs:]
     valid = _snapshot_valid(cu_seqlens, snapshot_seq, snapshot_len, start_pos, CHUNK)
@@ -327,22 +426,49 @@ def run_chunked(impl, q, k, v, g, beta, *, gate, cu_seqlens, initial_state, snap
     return o.astype(v.dtype), final, (None if snapshot_seq is None else snaps)
 
 
-def _terms_by_kernel(q, k, v, g, beta, grid, *, scale, use_qk_l2norm, matmul_dtype, interpret):
-    """The recurrence kernel's inputs from ``gdn_chunk_prep`` (GDN: ``g [T, Hv, 1]``): q and k
-    normalised (q then scaled) in fp32 with their ``Hk`` heads, cast to the operand dtype and laid
-    on the grid with v, g and beta; ``exp(G_last)`` of each chunk by XLA (one reduction)."""
+def _prep_and_natural_recurrence(q, k, v, g, beta, layout, grid, cu_seqlens, initial_state, snapshot_seq,
+                                 snapshot_len, start_pos, *, scale, use_qk_l2norm, max_chunks, block_dv,
+                                 matmul_dtype, interpret):
+    """``prep="kernel"`` (GDN, ``g [T, Hv, 1]``): q and k normalised (q then scaled) in fp32 with their
+    ``Hk`` heads, cast to the operand dtype and laid on the grid with v, g and beta; the terms by
+    ``gdn_chunk_prep``, ``exp(G_last)`` of each chunk by XLA (one reduction); the recurrence by
+    ``_kernel_natural``, whose states and outputs need no transposes."""
     from pallas_kernels.gdn_chunk_prep import chunk_terms_kernel  # it builds on this module
 
+    T, Hv, dv = v.shape
+    dk = q.shape[-1]
     f32, mm = jnp.float32, jnp.dtype(matmul_dtype)
     q, k = q.astype(f32), k.astype(f32)
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
-    q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
-    g = g[..., 0].astype(f32)
-    gb = jnp.swapaxes(grid(jnp.stack([g, beta.astype(f32)], axis=-1)), -1, -2)  # [M, Hv, 2, C]
-    w, qd, kd, ut, qk = chunk_terms_kernel(grid(q.astype(mm)), grid(k.astype(mm)), grid(v.astype(mm)), gb,
-                                           matmul_dtype=mm, interpret=interpret)
-    return w, qd, kd, ut, qk, jnp.exp(jnp.sum(gb[:, :, 0], axis=-1))
+    q = q * (dk ** -0.5 if scale is None else scale)
+    gb = jnp.swapaxes(grid(jnp.stack([g[..., 0].astype(f32), beta.astype(f32)], axis=-1)), -1, -2)  # [M, Hv, 2, C]
+    w, qd, kd, u, qk = chunk_terms_kernel(grid(q.astype(mm)), grid(k.astype(mm)), grid(v.astype(mm)), gb,
+                                          matmul_dtype=mm, interpret=interpret)
+    decay_last = jnp.exp(jnp.sum(gb[:, :, 0], axis=-1))  # [M, Hv]
+
+    req_seq, row, slot_of_chunk = _layout_requests(layout, cu_seqlens, snapshot_seq, snapshot_len,
+                                                   max_chunks, CHUNK)
+    scratch = [
+        plgpu.SMEM((dk, block_dv), f32, transforms=_transforms(f32)),     # S fp32: initial / snapshot I/O
+        plgpu.SMEM((dk, block_dv), mm, transforms=_transforms(mm)),       # S operand
+        plgpu.SMEM((CHUNK, dk), mm, transforms=_transforms(mm)),          # w
+        plgpu.SMEM((CHUNK, dk), mm, transforms=_transforms(mm)),          # q exp G
+        plgpu.SMEM((CHUNK, dk), mm, transforms=_transforms(mm)),          # k exp(G_last - G)
+        plgpu.SMEM((CHUNK, block_dv), f32, transforms=_transforms(f32)),  # u
+        plgpu.SMEM((CHUNK, CHUNK), mm, transforms=_transforms(mm)),       # qk
+        plgpu.SMEM((CHUNK, block_dv), mm, transforms=_transforms(mm)),    # v_new
+        plgpu.SMEM((CHUNK, block_dv), f32, transforms=_transforms(f32)),  # o staging
+        plgpu.Barrier(num_barriers=6),
+    ]
+    kernel = chunk_kernel(functools.partial(_kernel_natural, block_dv=block_dv, mm_dtype=mm), scratch,
+                          num_seqs=cu_seqlens.shape[0] - 1, num_rows=req_seq.shape[0], max_chunks=max_chunks, Hv=Hv,
+                          dv=dv, dk=dk, block_dv=block_dv, interpret=interpret, transposed=False,
+                          name="delta_chunk_natural")
+    o, states = kernel(layout.first_chunk.astype(jnp.int32), layout.num_chunks.astype(jnp.int32), slot_of_chunk,
+                       decay_last, initial_state, w, qd, kd, u, qk)
+    return gather_states(o, states, layout, req_seq, row, initial_state, cu_seqlens, snapshot_seq, snapshot_len,
+                         start_pos, transposed=False)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "max_chunks", "block_dv",
@@ -356,21 +482,20 @@ def _chunked_pallas(q, k, v, g, beta, cu_seqlens, initial_state, snapshot_seq, s
     layout = chunk_layout(cu_seqlens, start_pos, T, CHUNK, max_chunks)
     grid = functools.partial(_to_grid, layout=layout, max_chunks=max_chunks, chunk_size=CHUNK)
     mm = jnp.dtype(matmul_dtype)
-    by_kernel = prep == "kernel"
-    if by_kernel:
-        w, qd, kd, ut, qk, decay_last = _terms_by_kernel(q, k, v, g, beta, grid, scale=scale,
-                                                         use_qk_l2norm=use_qk_l2norm, matmul_dtype=mm,
-                                                         interpret=interpret)
-    else:
-        q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
-        terms = chunk_terms(grid(q), grid(k), grid(v), grid(g), grid(beta[..., None])[..., 0],
-                            precision=PREP_PRECISIONS[prep_precision])
-        w = terms.w.astype(mm)                                   # [M, Hv, C, dk]
-        qd = terms.q_decayed.astype(mm)                          # [M, Hv, C, dk]
-        kd = jnp.swapaxes(terms.k_decayed, -1, -2).astype(mm)   # [M, Hv, dk, C]
-        ut = jnp.swapaxes(terms.u, -1, -2)                       # [M, Hv, dv, C] fp32
-        qk = terms.qk.astype(mm)                                 # [M, Hv, C, C]
-        decay_last = terms.decay_last if per_channel_gate else terms.decay_last[..., 0]  # [M, Hv, dk] | [M, Hv]
+    if prep == "kernel":
+        return _prep_and_natural_recurrence(q, k, v, g, beta, layout, grid, cu_seqlens, initial_state, snapshot_seq,
+                                            snapshot_len, start_pos, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                                            max_chunks=max_chunks, block_dv=block_dv, matmul_dtype=mm,
+                                            interpret=interpret)
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
+    terms = chunk_terms(grid(q), grid(k), grid(v), grid(g), grid(beta[..., None])[..., 0],
+                        precision=PREP_PRECISIONS[prep_precision])
+    w = terms.w.astype(mm)                                   # [M, Hv, C, dk]
+    qd = terms.q_decayed.astype(mm)                          # [M, Hv, C, dk]
+    kdt = jnp.swapaxes(terms.k_decayed, -1, -2).astype(mm)  # [M, Hv, dk, C]
+    ut = jnp.swapaxes(terms.u, -1, -2)                       # [M, Hv, dv, C] fp32
+    qk = terms.qk.astype(mm)                                 # [M, Hv, C, C]
+    decay_last = terms.decay_last if per_channel_gate else terms.decay_last[..., 0]  # [M, Hv, dk] | [M, Hv]
     init_t = jnp.swapaxes(initial_state, -1, -2)             # [N, Hv, dv, dk]
 
     req_seq, row, slot_of_chunk = _layout_requests(layout, cu_seqlens, snapshot_seq, snapshot_len,
@@ -385,7 +510,7 @@ def _chunked_pallas(q, k, v, g, beta, cu_seqlens, initial_state, snapshot_seq, s
         *([] if alias else [plgpu.SMEM((block_dv, dk), mm, transforms=_transforms(mm))]),  # Sᵀ operand
         plgpu.SMEM((CHUNK, dk), mm, transforms=_transforms(mm)),      # w
         plgpu.SMEM((CHUNK, dk), mm, transforms=_transforms(mm)),      # q exp G
-        plgpu.SMEM((CHUNK, dk) if by_kernel else (dk, CHUNK), mm, transforms=_transforms(mm)),  # k exp(G_last - G)
+        plgpu.SMEM((dk, CHUNK), mm, transforms=_transforms(mm)),      # (k exp(G_last - G))ᵀ
         plgpu.SMEM((block_dv, CHUNK), f32, transforms=_transforms(f32)),  # uᵀ
         plgpu.SMEM((CHUNK, CHUNK), mm, transforms=_transforms(mm)),   # qk
         plgpu.SMEM((block_dv, CHUNK), mm, transforms=_transforms(mm)),    # v_newᵀ
@@ -398,13 +523,12 @@ def _chunked_pallas(q, k, v, g, beta, cu_seqlens, initial_state, snapshot_seq, s
         ins, outs, smem = refs[:10], refs[10:12], list(refs[12:])
         if alias:
             smem.insert(1, smem[0])
-        _kernel(*ins, *outs, *smem, block_dv=block_dv, per_channel_gate=per_channel_gate, mm_dtype=mm,
-                kd_token_major=by_kernel)
+        _kernel(*ins, *outs, *smem, block_dv=block_dv, per_channel_gate=per_channel_gate, mm_dtype=mm)
 
     kernel = chunk_kernel(body, scratch, num_seqs=num_seqs, num_rows=num_rows, max_chunks=max_chunks, Hv=Hv, dv=dv,
                           dk=dk, block_dv=block_dv, interpret=interpret)
     ot, states_t = kernel(layout.first_chunk.astype(jnp.int32), layout.num_chunks.astype(jnp.int32),
-                          slot_of_chunk, decay_last.astype(f32), init_t, w, qd, kd, ut, qk)
+                          slot_of_chunk, decay_last.astype(f32), init_t, w, qd, kdt, ut, qk)
     return gather_states(ot, states_t, layout, req_seq, row, initial_state, cu_seqlens, snapshot_seq,
                          snapshot_len, start_pos)
 

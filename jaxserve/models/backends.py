@@ -15,7 +15,8 @@
 Three names are three implementations of one backend, the chunked delta rule of prefill steps:
 ``gdn_prefill`` (XLA UT transform + the recurrence kernel, ``pallas_kernels/gdn_chunked.py``),
 ``prefill_prep`` (the UT transform by a kernel parallel over the chunks, ``gdn_chunk_prep``, then the
-same recurrence kernel; GDN layers only, bf16 operands on the GPU) and ``prefill_fused`` (the whole
+recurrence kernel carrying the state as stored, so no transposes around it; GDN layers only, bf16
+operands on the GPU) and ``prefill_fused`` (the whole
 chunk in one kernel: ``gdn_chunk_fused`` for GDN layers, ``kda_chunk_fused`` for KDA layers).
 ``prefill_prep`` and ``prefill_fused`` are ``BY_NAME_ONLY``: ``"pallas"`` keeps the device-checked
 ``gdn_prefill``, and a list naming two of them is an error (``validate``).
