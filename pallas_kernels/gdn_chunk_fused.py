@@ -87,10 +87,11 @@ from pallas_kernels.gdn_chunked import (
     _transforms,
     chunk_kernel,
     gather_states,
+    normalized_qk,
     run_chunked,
 )
 from pallas_kernels.gdn_reference import _per_head_gate
-from pallas_kernels.kda_reference import _to_grid, chunk_layout, l2norm
+from pallas_kernels.kda_reference import _to_grid, chunk_layout
 
 CHUNK = 64
 BLOCK_DV = 64  # state columns per program: one WGMMA row group, and the chunk's row count
@@ -367,11 +368,8 @@ def launch_fused(body, scratch, gate_inputs, q, k, v, cu_seqlens, initial_state,
     row, the transposed initial states, q, k, v, then the gate arrays."""
     T, Hv, dv = v.shape
     dk = q.shape[-1]
-    f32, mm = jnp.float32, jnp.dtype(matmul_dtype)
-    q, k = q.astype(f32), k.astype(f32)
-    if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
-    q = q * (dk ** -0.5 if scale is None else scale)
+    mm = jnp.dtype(matmul_dtype)
+    q, k = normalized_qk(q, k, scale, use_qk_l2norm)
     layout = chunk_layout(cu_seqlens, start_pos, T, CHUNK, max_chunks)
     grid = functools.partial(_to_grid, layout=layout, max_chunks=max_chunks, chunk_size=CHUNK)
     req_seq, row, slot_of_chunk = _layout_requests(layout, cu_seqlens, snapshot_seq, snapshot_len,

@@ -158,7 +158,6 @@ def _kernel(first_ref, nchunks_ref, slot_ref, dl_ref, init_ref, w_ref, qd_ref, k
     j = lax.axis_index("j")
     c0 = first_ref[n]
     nc = nchunks_ref[n]
-    num_rows = st_ref.shape[0]
     cols = pl.ds(j * block_dv, block_dv)
     init_bar, w_bar, qd_bar, kd_bar, u_bar, qk_bar, g_bar = (bars.at[i] for i in range(7))
     tile = plgpu.Layout.WGMMA
@@ -180,23 +179,15 @@ def _kernel(first_ref, nchunks_ref, slot_ref, dl_ref, init_ref, w_ref, qd_ref, k
         if per_channel_gate:
             plgpu.copy_gmem_to_smem(dl_ref.at[c, h], g_smem, g_bar)
 
-    plgpu.copy_gmem_to_smem(init_ref.at[n, h, cols], st_smem, init_bar)
+    def first(c):
+        issue_w(c)
+        issue_u(c)
 
-    @pl.when(nc > 0)
-    def _():
-        issue_w(c0)
-        issue_u(c0)
-        issue_o_operands(c0)
-        issue_state_operands(c0)
+    def second(c):
+        issue_o_operands(c)
+        issue_state_operands(c)
 
-    plgpu.barrier_wait(init_bar)
-    s0 = plgpu.load(st_smem, layout=tile)
-
-    def body(i, s):
-        c = c0 + i
-        more = i + 1 < nc
-        slot = slot_ref[c]  # scalar GMEM loads first: their latency hides behind the WGMMAs
-        snap = slot < num_rows
+    def chunk(c, more, s):
         if not per_channel_gate:
             decay = dl_ref[c, h]
         # The previous chunk's o / state stores must have read their SMEM before it is rewritten
@@ -217,8 +208,7 @@ def _kernel(first_ref, nchunks_ref, slot_ref, dl_ref, init_ref, w_ref, qd_ref, k
 
         @pl.when(more)
         def _():
-            issue_w(c + 1)
-            issue_u(c + 1)
+            first(c + 1)
 
         # oᵀ = Sᵀ (q exp G)ᵀ + v_newᵀ qkᵀ  and  v_newᵀ (k exp(G_last - G)), issued together
         plgpu.barrier_wait(qd_bar)
@@ -231,8 +221,38 @@ def _kernel(first_ref, nchunks_ref, slot_ref, dl_ref, init_ref, w_ref, qd_ref, k
             plgpu.barrier_wait(g_bar)
             decay = plgpu.load(g_smem, layout=tile.reduce(0))
             decay = lax.broadcast_in_dim(decay, (block_dv, dk), [1])
-        s_new = decay * s + kv
+        return o, decay * s + kv
 
+    _walk_chunks(c0, nc, slot_ref, st_ref.shape[0], init_src=init_ref.at[n, h, cols], st_smem=st_smem,
+                 init_bar=init_bar, first=first, second=second, chunk=chunk, o_smem=o_smem,
+                 o_dst=lambda c: ot_ref.at[c, h, cols], st_dst=lambda slot: st_ref.at[slot, h, cols])
+
+
+def _walk_chunks(c0, nc, slot_ref, num_rows, *, init_src, st_smem, init_bar, first, second, chunk, o_smem, o_dst,
+                 st_dst):
+    """The recurrence kernels' walk over a sequence's ``nc`` chunks from ``c0`` (``_kernel``,
+    ``_kernel_natural``): the initial state from ``init_src`` through ``st_smem`` into registers,
+    the first chunk's copies (``first`` then ``second``), then per chunk ``chunk(c, more, s) -> (o,
+    S_new)`` (which issues ``first(c + 1)`` once its first operands are read), ``o`` and (where the
+    chunk's end is a requested state, ``slot_ref[c] < num_rows``) ``S_new`` staged and committed,
+    the next chunk's ``second`` copies issued, and both stored to ``o_dst(c)`` / ``st_dst(slot)``,
+    left in flight until the next chunk's first wait."""
+    plgpu.copy_gmem_to_smem(init_src, st_smem, init_bar)
+
+    @pl.when(nc > 0)
+    def _():
+        first(c0)
+        second(c0)
+
+    plgpu.barrier_wait(init_bar)
+    s0 = plgpu.load(st_smem, layout=plgpu.Layout.WGMMA)
+
+    def body(i, s):
+        c = c0 + i
+        more = i + 1 < nc
+        slot = slot_ref[c]  # scalar GMEM loads first: their latency hides behind the WGMMAs
+        snap = slot < num_rows
+        o, s_new = chunk(c, more, s)
         o_smem[...] = o
 
         @pl.when(snap)
@@ -243,14 +263,13 @@ def _kernel(first_ref, nchunks_ref, slot_ref, dl_ref, init_ref, w_ref, qd_ref, k
 
         @pl.when(more)
         def _():
-            issue_o_operands(c + 1)
-            issue_state_operands(c + 1)
+            second(c + 1)
 
-        plgpu.copy_smem_to_gmem(o_smem, ot_ref.at[c, h, cols])
+        plgpu.copy_smem_to_gmem(o_smem, o_dst(c))
 
         @pl.when(snap)
         def _():
-            plgpu.copy_smem_to_gmem(st_smem, st_ref.at[slot, h, cols])
+            plgpu.copy_smem_to_gmem(st_smem, st_dst(slot))
 
         return s_new
 
@@ -275,7 +294,6 @@ def _kernel_natural(first_ref, nchunks_ref, slot_ref, dl_ref, init_ref, w_ref, q
     n, h, j = (lax.axis_index(axis) for axis in ("n", "h", "j"))
     c0 = first_ref[n]
     nc = nchunks_ref[n]
-    num_rows = st_ref.shape[0]
     cols = pl.ds(j * block_dv, block_dv)
     init_bar, w_bar, qd_bar, kd_bar, u_bar, qk_bar = (bars.at[i] for i in range(6))
     tile = plgpu.Layout.WGMMA
@@ -292,22 +310,11 @@ def _kernel_natural(first_ref, nchunks_ref, slot_ref, dl_ref, init_ref, w_ref, q
         plgpu.copy_gmem_to_smem(qk_ref.at[c, h], qk_smem, qk_bar)
         plgpu.copy_gmem_to_smem(kd_ref.at[c, h], kd_smem, kd_bar)
 
-    plgpu.copy_gmem_to_smem(init_ref.at[n, h, :, cols], st_smem, init_bar)
+    def first(c):
+        issue_w(c)
+        issue_u(c)
 
-    @pl.when(nc > 0)
-    def _():
-        issue_w(c0)
-        issue_u(c0)
-        issue_rest(c0)
-
-    plgpu.barrier_wait(init_bar)
-    s0 = plgpu.load(st_smem, layout=tile)
-
-    def body(i, s):
-        c = c0 + i
-        more = i + 1 < nc
-        slot = slot_ref[c]  # scalar GMEM loads first: their latency hides behind the WGMMAs
-        snap = slot < num_rows
+    def chunk(c, more, s):
         decay = dl_ref[c, h]
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's stores read o / st_smem
         s_smem[...] = s.astype(mm_dtype)
@@ -321,37 +328,18 @@ def _kernel_natural(first_ref, nchunks_ref, slot_ref, dl_ref, init_ref, w_ref, q
 
         @pl.when(more)
         def _():
-            issue_w(c + 1)
-            issue_u(c + 1)
+            first(c + 1)
 
         plgpu.barrier_wait(qd_bar)
         plgpu.barrier_wait(qk_bar)
         plgpu.barrier_wait(kd_bar)
         o, kv = _products(([(qd_smem, s_smem), (qk_smem, vn_smem)], (C, block_dv)),
                           ([(kd_smem.T, vn_smem)], (dk, block_dv)))
-        s_new = decay * s + kv
-        o_smem[...] = o
+        return o, decay * s + kv
 
-        @pl.when(snap)
-        def _():
-            st_smem[...] = s_new
-
-        plgpu.commit_smem()
-
-        @pl.when(more)
-        def _():
-            issue_rest(c + 1)
-
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[c, h, :, cols])
-
-        @pl.when(snap)
-        def _():
-            plgpu.copy_smem_to_gmem(st_smem, st_ref.at[slot, h, :, cols])
-
-        return s_new
-
-    lax.fori_loop(0, nc, body, s0)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    _walk_chunks(c0, nc, slot_ref, st_ref.shape[0], init_src=init_ref.at[n, h, :, cols], st_smem=st_smem,
+                 init_bar=init_bar, first=first, second=issue_rest, chunk=chunk, o_smem=o_smem,
+                 o_dst=lambda c: o_ref.at[c, h, :, cols], st_dst=lambda slot: st_ref.at[slot, h, :, cols])
 
 
 def _layout_requests(layout, cu_seqlens, snapshot_seq, snapshot_len, max_chunks, chunk_size):
@@ -426,6 +414,15 @@ def run_chunked(impl, q, k, v, g, beta, *, gate, cu_seqlens, initial_state, snap
     return o.astype(v.dtype), final, (None if snapshot_seq is None else snaps)
 
 
+def normalized_qk(q, k, scale, use_qk_l2norm):
+    """q and k in fp32, L2-normalised if asked, q then scaled (by ``dk ** -0.5`` unless ``scale``
+    says), keeping their ``Hk`` heads: what the kernels that read q and k raw do to them first."""
+    q, k = q.astype(jnp.float32), k.astype(jnp.float32)
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    return q * (q.shape[-1] ** -0.5 if scale is None else scale), k
+
+
 def _prep_and_natural_recurrence(q, k, v, g, beta, layout, grid, cu_seqlens, initial_state, snapshot_seq,
                                  snapshot_len, start_pos, *, scale, use_qk_l2norm, max_chunks, block_dv,
                                  matmul_dtype, interpret):
@@ -438,10 +435,7 @@ def _prep_and_natural_recurrence(q, k, v, g, beta, layout, grid, cu_seqlens, ini
     T, Hv, dv = v.shape
     dk = q.shape[-1]
     f32, mm = jnp.float32, jnp.dtype(matmul_dtype)
-    q, k = q.astype(f32), k.astype(f32)
-    if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
-    q = q * (dk ** -0.5 if scale is None else scale)
+    q, k = normalized_qk(q, k, scale, use_qk_l2norm)
     gb = jnp.swapaxes(grid(jnp.stack([g[..., 0].astype(f32), beta.astype(f32)], axis=-1)), -1, -2)  # [M, Hv, 2, C]
     w, qd, kd, u, qk = chunk_terms_kernel(grid(q.astype(mm)), grid(k.astype(mm)), grid(v.astype(mm)), gb,
                                           matmul_dtype=mm, interpret=interpret)
